@@ -1,0 +1,1 @@
+"""The engine core every part imports unchanged: model, weights, tokenizer, sampling, protocol."""

@@ -1,0 +1,79 @@
+"""Find and load weights: the embedded default, a local HF folder, or a hub id."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .config import ModelConfig
+from .gguf_convert import EMBEDDED_NAME, embedded_model_path
+from .model import LlamaForCausalLM
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """None -> the embedded SmolLM2 folder; an existing folder -> itself; else a hub id,
+    downloaded (or read from the local HF cache when offline)."""
+    if model is None or model == EMBEDDED_NAME:
+        return embedded_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model folder {model!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id=model, allow_patterns=_HUB_PATTERNS))
+
+
+def served_model_name(model: str | None) -> str:
+    if model is None:
+        return EMBEDDED_NAME
+    path = Path(model)
+    return path.name if path.is_dir() else model
+
+
+def load_config(path: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(path)
+    eos: tuple[int, ...] = ()
+    gen = path / "generation_config.json"
+    if gen.exists():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        eos = tuple(value) if isinstance(value, list) else ((value,) if value is not None else ())
+    return ModelConfig.from_hf(hf, eos_token_ids=eos)
+
+
+def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(str(f), framework="pt") as reader:
+                for name in reader.keys():
+                    yield name, reader.get_tensor(name)
+        return
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
+    for f in bins:
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype,
+               max_positions: int | None = None) -> LlamaForCausalLM:
+    cfg = load_config(path)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, max_positions=max_positions)
+    model.to(dtype)
+    loaded = model.load_weights(iterate_weights(path))
+    expected = {n for n, _ in model.named_parameters()}
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:5]} ...")
+    return model.eval()
