@@ -102,6 +102,10 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors; returns the names of the parameters that were filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        all_shards: dict[str, set] = {}
+        for packed, _, shard in self.stacked_params:
+            all_shards.setdefault(packed, set()).add(shard)
+        got_shards: dict[str, set] = {}
         for name, tensor in weights:
             name = name.removeprefix("model.") if not name.startswith("lm_head") else name
             if "rotary_emb.inv_freq" in name:
@@ -113,11 +117,14 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(original, packed)
                     param = params[name]
                     param.weight_loader(param, tensor, shard)
+                    got_shards.setdefault(name, set()).add(shard)
                     break
             else:
                 if name not in params:
                     raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
                 param = params[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
+                loaded.add(name)
+        # A merged parameter is loaded only once every one of its slices is (q, k and v; gate and up).
+        loaded |= {n for n, got in got_shards.items() if got == all_shards[n.split(".")[-2]]}
         return loaded

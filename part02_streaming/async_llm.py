@@ -1,0 +1,72 @@
+"""AsyncLLM: the engine on a background thread, its outputs streamed into asyncio.
+
+The event loop only parses requests and writes bytes; the engine thread does the maths and
+hands each new token to the loop with `call_soon_threadsafe`. (PyTorch releases the GIL inside
+its kernels, so the loop stays responsive while the thread computes.) Requests still run one
+at a time: batching them is part 04's job."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from shared.outputs import RequestOutput
+
+from .engine import LLMEngine
+from .request import Request
+
+
+@dataclass
+class _Job:
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.num_unfinished = 0  # requests accepted and not yet done (queued or running)
+        self.num_aborted = 0
+        self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Yield a delta after every new token, until the request finishes. If the consumer
+        stops early (client disconnect: the task is cancelled), the request is aborted."""
+        job = _Job(request, asyncio.get_running_loop(), asyncio.Queue())
+        self.num_unfinished += 1
+        self._jobs.put(job)
+        try:
+            while True:
+                item = await job.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not request.finished:
+                request.aborted = True  # the engine thread sees it before its next token
+            self.num_unfinished -= 1
+
+    def _engine_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            request = job.request
+            try:
+                if request.aborted:  # its client left while it was queued
+                    self.num_aborted += 1
+                    continue
+                for out in self.engine.run(request):
+                    job.loop.call_soon_threadsafe(job.outputs.put_nowait, out)
+                if request.aborted:
+                    self.num_aborted += 1
+            except Exception as e:  # surface engine errors to the waiting handler
+                job.loop.call_soon_threadsafe(job.outputs.put_nowait, e)
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)

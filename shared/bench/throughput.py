@@ -1,0 +1,225 @@
+"""Offline throughput: one fixed workload through our engine and the HF baselines, in one
+process, on one machine, with one set of weights, reported side by side and as ratios.
+
+Each system is measured the same way: load (timed, reported, not counted), one tiny warm-up
+generate (first-call costs: allocator growth, kernel selection, CUDA graphs; not counted), then
+the whole workload in a single call, timed wall-clock. Throughput counts only the tokens the
+workload asked for, so a system cannot look faster by generating extra (HF static batches do,
+and are not credited) or slower by stopping early (flagged: a system whose output lengths do
+not match the workload is marked as such)."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .metrics import throughput_rates
+from .systems import BenchSystem, EngineSystem, LLMSpec, free_memory, synchronize
+from .workload import BenchRequest, Workload, make_workload
+
+BASELINES = ("hf-generate", "hf-generate-batch")
+
+
+@dataclass
+class SystemResult:
+    name: str
+    load_s: float | None = None  # None: the engine was built by the caller
+    warmup_s: float = 0.0
+    wall_s: float = 0.0
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0  # tokens the workload asked for (and the system returned)
+    requests_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    total_tokens_per_s: float = 0.0
+    lengths_ok: bool = True  # every request returned exactly its output_len tokens
+    matches_ours: int | None = None  # requests whose tokens equal our engine's (greedy parity)
+    error: str | None = None  # why the system could not run, if it could not
+    notes: dict[str, Any] = field(default_factory=dict)
+    token_ids: list[list[int]] | None = None  # outputs, kept when asked (not in the table)
+
+
+@dataclass
+class ThroughputResult:
+    workload: dict[str, Any]
+    machine: dict[str, Any]
+    systems: list[SystemResult]
+    # ratios[baseline][metric] = ours / baseline (> 1: our engine is faster)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def system(self, name: str) -> SystemResult:
+        return next(s for s in self.systems if s.name == name)
+
+    def table(self) -> str:
+        return format_table(self)
+
+    def to_dict(self, with_tokens: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_tokens:
+            for s in d["systems"]:
+                s.pop("token_ids", None)
+        return d
+
+    def save_json(self, path: str | Path, with_tokens: bool = False) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(with_tokens), indent=2))
+
+
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    import transformers
+
+    info = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def warmup_requests(workload: Workload) -> list[BenchRequest]:
+    """A tiny request (a few prompt tokens of the first request, 2 output tokens)."""
+    first = workload.requests[0]
+    return [BenchRequest(first.prompt_token_ids[:4], min(2, first.output_len))]
+
+
+def measure_system(system: BenchSystem, workload: Workload, progress: bool = True) -> SystemResult:
+    """Load, warm up and time one system over the workload. Never raises: a system that fails
+    comes back with `error` set (the table prints it), so one broken baseline cannot hide the
+    others. The outputs are kept in `token_ids` (run_throughput drops them unless asked)."""
+    result = SystemResult(system.name, num_requests=workload.num_requests,
+                          prompt_tokens=workload.prompt_tokens)
+    try:
+        t0 = time.perf_counter()
+        system.load()
+        # An engine the caller built before the call has no load time we could see.
+        result.load_s = time.perf_counter() - t0 if getattr(system, "owned", True) else None
+        system.prepare(workload.requests)
+        t0 = time.perf_counter()
+        system.generate(warmup_requests(workload))
+        synchronize()
+        result.warmup_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        outputs = system.generate(workload.requests, progress=progress)
+        synchronize()
+        wall = time.perf_counter() - t0
+
+        expected = [r.output_len for r in workload.requests]
+        got = [len(o) for o in outputs]
+        result.lengths_ok = got == expected
+        result.output_tokens = sum(min(g, e) for g, e in zip(got, expected))
+        rates = throughput_rates(workload.num_requests, workload.prompt_tokens,
+                                 result.output_tokens, wall)
+        result.wall_s, result.requests_per_s = rates.wall_s, rates.requests_per_s
+        result.output_tokens_per_s = rates.output_tokens_per_s
+        result.total_tokens_per_s = rates.total_tokens_per_s
+        result.token_ids = outputs
+    except Exception as e:  # noqa: BLE001 - reported in the result, not swallowed
+        result.error = f"{type(e).__name__}: {e}"
+        result.notes["traceback"] = traceback.format_exc(limit=8)
+    finally:
+        result.notes.update(system.notes)
+        system.close()
+        free_memory()
+    return result
+
+
+def build_baselines(names: Sequence[str], model_path: Path, device: torch.device,
+                    dtype: torch.dtype, hf_batch_size: int = 8,
+                    hf_max_batch_tokens: int | None = None,
+                    max_num_seqs: int | None = None) -> list[BenchSystem]:
+    from .hf_baselines import HFGenerate, HFGenerateBatch
+
+    systems: list[BenchSystem] = []
+    for name in names:
+        if name == "hf-generate":
+            systems.append(HFGenerate(model_path, device, dtype, batch_size=hf_batch_size))
+        elif name == "hf-generate-batch":
+            systems.append(HFGenerateBatch(model_path, device, dtype, max_batch_tokens=hf_max_batch_tokens,
+                                           max_num_seqs=max_num_seqs))
+        else:
+            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+    return systems
+
+
+def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str | None = None,
+                   device: str | None = None, dtype: str | None = None,
+                   engine_kwargs: dict[str, Any] | None = None,
+                   baselines: Sequence[str] = BASELINES, hf_batch_size: int = 8,
+                   hf_max_batch_tokens: int | None = None, progress: bool = True,
+                   keep_tokens: bool = False) -> ThroughputResult:
+    """Measure our engine (`llm`: a part's module name, its LLM class, a factory or an LLM
+    instance) and then each baseline on `workload` (default: make_workload() for the model).
+    Our engine runs first and is released before the baselines load, so on a GPU each system
+    gets the whole device memory."""
+    from shared.device import resolve_device, resolve_dtype
+    from shared.weights import resolve_model_path
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    model_path = resolve_model_path(model)
+    if workload is None:
+        workload = make_workload(str(model_path))
+    engine_kwargs = dict(engine_kwargs or {})
+
+    ours = EngineSystem(llm, model=model, device=device, dtype=dtype, engine_kwargs=engine_kwargs)
+    results = [measure_system(ours, workload, progress)]
+    for system in build_baselines(baselines, model_path, dev, dt, hf_batch_size,
+                                  hf_max_batch_tokens, engine_kwargs.get("max_num_seqs")):
+        results.append(measure_system(system, workload, progress))
+
+    ref = results[0]
+    ratios: dict[str, dict[str, float]] = {}
+    for r in results[1:]:
+        if r.token_ids is not None and ref.token_ids is not None:
+            r.matches_ours = sum(a == b for a, b in zip(r.token_ids, ref.token_ids))
+        if r.error is None and ref.error is None:
+            ratios[r.name] = {m: getattr(ref, m) / getattr(r, m) for m in
+                              ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
+    for r in results:
+        if not keep_tokens:
+            r.token_ids = None
+    describe = {**workload.describe(), "model_path": str(model_path),
+                "sampling": "greedy (temperature=0), ignore_eos, max_tokens=output_len"}
+    return ThroughputResult(describe, machine_info(dev, dt), results, ratios)
+
+
+def format_table(res: ThroughputResult) -> str:
+    w = res.workload
+    lines = [f"workload: {w['num_requests']} requests, input {w['input_len'][0]}..{w['input_len'][1]} "
+             f"(total {w['prompt_tokens']}), output {w['output_len'][0]}..{w['output_len'][1]} "
+             f"(total {w['output_tokens']}) tokens, seed {w['seed']}",
+             f"machine: {res.machine['device']} {res.machine['dtype']}, "
+             f"{res.machine['cpu_threads']} torch threads, torch {res.machine['torch']}, "
+             f"transformers {res.machine['transformers']}"]
+    head = (f"{'system':<18} {'load s':>7} {'wall s':>8} {'req/s':>8} {'out tok/s':>10} "
+            f"{'total tok/s':>12} {'ours/this':>10} {'same tokens':>12}")
+    lines += [head, "-" * len(head)]
+    n = w["num_requests"]
+    for s in res.systems:
+        if s.error:
+            lines.append(f"{s.name:<18} FAILED: {s.error}")
+            continue
+        if s is res.systems[0]:
+            ratio, same = "1.00x", "(ref)"
+        else:
+            r = res.ratios.get(s.name, {}).get("output_tokens_per_s")
+            ratio = "-" if r is None else f"{r:.2f}x"
+            same = "-" if s.matches_ours is None else f"{s.matches_ours}/{n}"
+        load = "-" if s.load_s is None else f"{s.load_s:.1f}"
+        flag = "" if s.lengths_ok else "  (!) output lengths differ from the workload"
+        lines.append(f"{s.name:<18} {load:>7} {s.wall_s:>8.2f} {s.requests_per_s:>8.3f} "
+                     f"{s.output_tokens_per_s:>10.1f} {s.total_tokens_per_s:>12.1f} "
+                     f"{ratio:>10} {same:>12}{flag}")
+    for s in res.systems:
+        if s.notes:
+            shown = {k: v for k, v in s.notes.items() if k != "traceback"}
+            if shown:
+                lines.append(f"  {s.name}: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    return "\n".join(lines)
