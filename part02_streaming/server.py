@@ -23,6 +23,7 @@ from shared.serving import OpenAIServing, install_error_handlers, new_request_id
 from shared.weights import served_model_name
 
 from .async_llm import AsyncLLM
+from .config import EngineConfig
 from .llm import LLM
 from .request import Request
 
@@ -99,19 +100,16 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="local HF folder or hub id (default: embedded SmolLM2)")
-    p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--served-model-name", default=None)
+    EngineConfig.add_cli_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(**EngineConfig.from_cli_args(args).to_dict())
     app = build_app(llm, args.served_model_name or served_model_name(args.model))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

@@ -131,3 +131,10 @@ def running_server(app):
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def llm03():
+    from part03_paged_attention import LLM
+
+    return LLM(kv_cache_memory_mb=256)

@@ -18,22 +18,27 @@ import pytest
 from conftest import free_port, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
-PARTS = ["part01_simple_server", "part02_streaming"]
-STREAMING_PARTS = ["part02_streaming"]
+PARTS = ["part01_simple_server", "part02_streaming", "part03_paged_attention"]
+STREAMING_PARTS = PARTS[1:]
+
+
+def llm_fixture(part: str) -> str:
+    return f"llm{part[4:6]}"  # part03_paged_attention -> llm03 (tests/conftest.py)
 
 
 @pytest.fixture(scope="module", params=PARTS)
 def server(request):
     part = request.param
-    llm = request.getfixturevalue({"part01_simple_server": "llm01", "part02_streaming": "llm02"}[part])
+    llm = request.getfixturevalue(llm_fixture(part))
     app = importlib.import_module(f"{part}.server").build_app(llm, MODEL)
     with running_server(app) as url:
         yield part, url, app
 
 
-@pytest.fixture(scope="module")
-def streaming_server(request, llm02):
-    app = importlib.import_module("part02_streaming.server").build_app(llm02, MODEL)
+@pytest.fixture(scope="module", params=STREAMING_PARTS)
+def streaming_server(request):
+    llm = request.getfixturevalue(llm_fixture(request.param))
+    app = importlib.import_module(f"{request.param}.server").build_app(llm, MODEL)
     with running_server(app) as url:
         yield url, app
 
