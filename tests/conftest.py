@@ -138,3 +138,10 @@ def llm03():
     from part03_paged_attention import LLM
 
     return LLM(kv_cache_memory_mb=256)
+
+
+@pytest.fixture(scope="session")
+def llm04():
+    from part04_continuous_batching import LLM
+
+    return LLM(kv_cache_memory_mb=256)

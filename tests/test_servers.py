@@ -18,7 +18,7 @@ import pytest
 from conftest import free_port, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
-PARTS = ["part01_simple_server", "part02_streaming", "part03_paged_attention"]
+PARTS = ["part01_simple_server", "part02_streaming", "part03_paged_attention", "part04_continuous_batching"]
 STREAMING_PARTS = PARTS[1:]
 
 

@@ -1,0 +1,118 @@
+"""An async OpenAI-compatible server with streaming (SSE).
+
+Generation runs on the AsyncLLM's engine thread, so the event loop stays free: /health answers
+during a long generation, tokens stream as they are made, and a client that disconnects stops
+its generation.
+
+    python -m part02_streaming.server [--model M] [--host 127.0.0.1] [--port 8000]
+"""
+from __future__ import annotations
+
+import argparse
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI
+from sse_starlette import EventSourceResponse
+
+from shared.outputs import RequestOutput
+from shared.protocol import (ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
+                             CompletionStreamResponse)
+from shared.serving import OpenAIServing, install_error_handlers, new_request_id
+from shared.weights import served_model_name
+
+from .async_llm import AsyncLLM
+from .config import EngineConfig
+from .llm import LLM
+from .request import Request
+
+
+def build_app(llm: LLM, model_name: str) -> FastAPI:
+    engine = llm.engine
+    async_llm = AsyncLLM(engine)
+    serving = OpenAIServing(engine.tokenizer, model_name, engine.max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        async_llm.shutdown()
+
+    app = FastAPI(title="vllm-course part 02", lifespan=lifespan)
+    app.state.llm, app.state.async_llm = llm, async_llm
+    install_error_handlers(app)
+
+    async def run_to_end(request: Request) -> RequestOutput:
+        async for _ in async_llm.generate(request):
+            pass
+        return request.output()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return serving.models()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        serving.check_model(req.model)
+        params = req.to_sampling_params()
+        requests = [engine.make_request(p, params) for p in req.prompts()]
+        if not req.stream:
+            return serving.completion_response(req, [await run_to_end(r) for r in requests])
+
+        async def events() -> AsyncIterator[str]:
+            rid = new_request_id("cmpl")
+            for i, request in enumerate(requests):
+                async for delta in async_llm.generate(request):
+                    for chunk in serving.completion_chunks(req, rid, i, delta):
+                        yield chunk.model_dump_json()
+            if req.include_usage:
+                yield serving.usage_chunk(CompletionStreamResponse, rid,
+                                          [r.output() for r in requests]).model_dump_json()
+            yield "[DONE]"
+
+        return EventSourceResponse(events())
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        serving.check_model(req.model)
+        request = engine.make_request(serving.chat_prompt(req), req.to_sampling_params())
+        if not req.stream:
+            return serving.chat_response(req, await run_to_end(request))
+
+        async def events() -> AsyncIterator[str]:
+            rid, first = new_request_id("chatcmpl"), True
+            async for delta in async_llm.generate(request):
+                for chunk in serving.chat_chunks(req, rid, delta, first):
+                    yield chunk.model_dump_json()
+                first = False
+            if req.include_usage:
+                yield serving.usage_chunk(ChatCompletionStreamResponse, rid, [request.output()]).model_dump_json()
+            yield "[DONE]"
+
+        return EventSourceResponse(events())
+
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    EngineConfig.add_cli_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    llm = LLM(**EngineConfig.from_cli_args(args).to_dict())
+    app = build_app(llm, args.served_model_name or served_model_name(args.model))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()
