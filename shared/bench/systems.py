@@ -68,8 +68,8 @@ class EngineSystem(BenchSystem):
         self.llm: Any = None
         self.owned = True  # False when the caller built the engine: its load time is not ours
         self.sampling_params_cls: Any = None
-        self.notes = {"engine": llm if isinstance(llm, str) else type(llm).__name__,
-                      **{k: v for k, v in self.engine_kwargs.items()}}
+        self.notes = {"engine": llm if isinstance(llm, str) else getattr(llm, "__name__", "LLM"),
+                      **self.engine_kwargs}
 
     def load(self) -> None:
         spec = importlib.import_module(self.spec).LLM if isinstance(self.spec, str) else self.spec
@@ -83,6 +83,7 @@ class EngineSystem(BenchSystem):
             raise TypeError(f"cannot build an engine from {spec!r}")
         # Each part re-exports the SamplingParams its engine understands; fall back to shared's.
         package = importlib.import_module(type(self.llm).__module__.split(".")[0])
+        self.notes["engine"] = package.__name__
         self.sampling_params_cls = getattr(package, "SamplingParams", None)
         if self.sampling_params_cls is None:
             from shared.sampling_params import SamplingParams

@@ -161,6 +161,12 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
     from shared.device import resolve_device, resolve_dtype
     from shared.weights import resolve_model_path
 
+    if not isinstance(llm, (str, type)) and hasattr(llm, "generate"):
+        # A prebuilt engine: the baselines must load what it loaded, where it runs.
+        cfg = getattr(llm, "config", None)
+        model = model if model is not None else getattr(cfg, "model", None)
+        device = device if device is not None else getattr(cfg, "device", None)
+        dtype = dtype if dtype is not None else getattr(cfg, "dtype", None)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     model_path = resolve_model_path(model)
@@ -170,8 +176,10 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
 
     ours = EngineSystem(llm, model=model, device=device, dtype=dtype, engine_kwargs=engine_kwargs)
     results = [measure_system(ours, workload, progress)]
+    # HF's continuous batching gets the same batch limits as our engine when those are set.
     for system in build_baselines(baselines, model_path, dev, dt, hf_batch_size,
-                                  hf_max_batch_tokens, engine_kwargs.get("max_num_seqs")):
+                                  hf_max_batch_tokens or engine_kwargs.get("max_num_batched_tokens"),
+                                  engine_kwargs.get("max_num_seqs")):
         results.append(measure_system(system, workload, progress))
 
     ref = results[0]
@@ -179,9 +187,9 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
     for r in results[1:]:
         if r.token_ids is not None and ref.token_ids is not None:
             r.matches_ours = sum(a == b for a, b in zip(r.token_ids, ref.token_ids))
-        if r.error is None and ref.error is None:
-            ratios[r.name] = {m: getattr(ref, m) / getattr(r, m) for m in
-                              ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
+        if r.error is None and ref.error is None and r.wall_s > 0:
+            ratios[r.name] = {m: getattr(ref, m) / getattr(r, m) if getattr(r, m) else float("nan")
+                              for m in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
     for r in results:
         if not keep_tokens:
             r.token_ids = None
@@ -198,7 +206,7 @@ def format_table(res: ThroughputResult) -> str:
              f"machine: {res.machine['device']} {res.machine['dtype']}, "
              f"{res.machine['cpu_threads']} torch threads, torch {res.machine['torch']}, "
              f"transformers {res.machine['transformers']}"]
-    head = (f"{'system':<18} {'load s':>7} {'wall s':>8} {'req/s':>8} {'out tok/s':>10} "
+    head = (f"{'system':<18} {'load s':>7} {'warm s':>7} {'wall s':>8} {'req/s':>8} {'out tok/s':>10} "
             f"{'total tok/s':>12} {'ours/this':>10} {'same tokens':>12}")
     lines += [head, "-" * len(head)]
     n = w["num_requests"]
@@ -214,7 +222,7 @@ def format_table(res: ThroughputResult) -> str:
             same = "-" if s.matches_ours is None else f"{s.matches_ours}/{n}"
         load = "-" if s.load_s is None else f"{s.load_s:.1f}"
         flag = "" if s.lengths_ok else "  (!) output lengths differ from the workload"
-        lines.append(f"{s.name:<18} {load:>7} {s.wall_s:>8.2f} {s.requests_per_s:>8.3f} "
+        lines.append(f"{s.name:<18} {load:>7} {s.warmup_s:>7.1f} {s.wall_s:>8.2f} {s.requests_per_s:>8.3f} "
                      f"{s.output_tokens_per_s:>10.1f} {s.total_tokens_per_s:>12.1f} "
                      f"{ratio:>10} {same:>12}{flag}")
     for s in res.systems:

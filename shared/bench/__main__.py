@@ -1,0 +1,163 @@
+"""`python -m shared.bench {throughput,serve,roofline} ...`: see each subcommand's --help."""
+from __future__ import annotations
+
+import argparse
+import ast
+import math
+import sys
+from typing import Any
+
+from .throughput import BASELINES
+
+
+def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
+    """--engine-arg key=value (repeatable); values are Python literals when they parse as one
+    (8, 0.9, True, None), strings otherwise."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-arg wants key=value, got {pair!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--part", default="part01_simple_server",
+                   help="module whose LLM class is our engine, e.g. part04_continuous_batching")
+    p.add_argument("--model", default=None, help="folder or hub id (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: per device)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra LLM(...) keyword for our engine, repeatable")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine kwarg max_num_seqs (parts 04+); also caps HF's batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="engine kwarg max_num_batched_tokens (parts 06+)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for every system (default: torch's, one per core)")
+    p.add_argument("--json", default=None, help="write all numbers to this file")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw = parse_engine_args(args.engine_arg)
+    if args.max_num_seqs is not None:
+        kw["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kw
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from shared.weights import resolve_model_path
+
+    from .throughput import run_throughput
+    from .workload import make_workload
+
+    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    workload = make_workload(str(resolve_model_path(args.model)), args.num_requests,
+                             args.input_len, args.output_len, args.seed)
+    res = run_throughput(args.part, workload, model=args.model, device=args.device, dtype=args.dtype,
+                         engine_kwargs=engine_kwargs(args), baselines=baselines,
+                         hf_batch_size=args.hf_batch_size, hf_max_batch_tokens=args.hf_max_batch_tokens,
+                         progress=not args.no_progress, keep_tokens=args.save_tokens)
+    print(res.table())
+    for s in res.systems:
+        if s.error:
+            print(f"\n{s.name} failed:\n{s.notes.get('traceback', s.error)}", file=sys.stderr)
+    if args.json:
+        res.save_json(args.json, with_tokens=args.save_tokens)
+        print(f"wrote {args.json}")
+    return 1 if res.systems[0].error else 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import ServeConfig, run_serve
+
+    rate = math.inf if args.request_rate in ("inf", "infinity") else float(args.request_rate)
+    config = ServeConfig(url=args.url, endpoint=args.endpoint, model=args.model, request_rate=rate,
+                         max_concurrency=args.max_concurrency, prompt_format=args.prompt_format,
+                         seed=args.seed, warmup=not args.no_warmup)
+    res = run_serve(config, tokenizer=args.tokenizer, num_prompts=args.num_prompts,
+                    input_len=args.input_len, output_len=args.output_len, progress=not args.no_progress)
+    print(res.table())
+    if args.json:
+        res.save_json(args.json)
+        print(f"wrote {args.json}")
+    return 0 if res.metrics.completed else 1
+
+
+def cmd_roofline(args: argparse.Namespace) -> int:
+    from .roofline import run_roofline
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    res = run_roofline(args.part, sizes, args.prompt_len, args.decode_tokens, model=args.model,
+                       device=args.device, dtype=args.dtype, engine_kwargs=engine_kwargs(args),
+                       measure=not args.bound_only)
+    print(res.table())
+    if args.json:
+        res.save_json(args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shared.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("throughput", help="offline throughput: our engine vs HF baselines")
+    add_model_args(t)
+    t.add_argument("--num-requests", type=int, default=32)
+    t.add_argument("--input-len", default="32:256", help="LOW:HIGH (inclusive) or a fixed N")
+    t.add_argument("--output-len", default="16:128", help="LOW:HIGH (inclusive) or a fixed N")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--baselines", default=",".join(BASELINES),
+                   help=f"comma list of {', '.join(BASELINES)}, or none")
+    t.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of hf-generate")
+    t.add_argument("--hf-max-batch-tokens", type=int, default=None,
+                   help="token budget per step of hf-generate-batch (default: 512 on CPU, HF's on GPU)")
+    t.add_argument("--save-tokens", action="store_true", help="keep every output's token ids in the JSON")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_throughput)
+
+    s = sub.add_parser("serve", help="load an OpenAI-compatible server, report TTFT/TPOT/ITL/E2EL")
+    s.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    s.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
+    s.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    s.add_argument("--tokenizer", default=None,
+                   help="folder or hub id to draw prompt tokens from (default: embedded model)")
+    s.add_argument("--num-prompts", type=int, default=50)
+    s.add_argument("--request-rate", default="inf", help="requests/s (Poisson) or inf")
+    s.add_argument("--max-concurrency", type=int, default=None)
+    s.add_argument("--input-len", default="32:256")
+    s.add_argument("--output-len", default="16:128")
+    s.add_argument("--prompt-format", choices=("tokens", "text"), default="tokens")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-warmup", action="store_true")
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--json", default=None)
+    s.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("roofline", help="decode step time vs batch size against the roofline bound")
+    add_model_args(r)
+    r.add_argument("--batch-sizes", default="1,2,4,8")
+    r.add_argument("--prompt-len", type=int, default=64)
+    r.add_argument("--decode-tokens", type=int, default=16)
+    r.add_argument("--bound-only", action="store_true", help="machine peaks and bounds, no engine")
+    r.set_defaults(func=cmd_roofline)
+
+    args = parser.parse_args(argv)
+    if getattr(args, "threads", None):
+        import torch
+
+        # Same for every system; on a shared machine 1 thread degrades more gracefully than
+        # OpenMP workers waiting at barriers for a descheduled sibling.
+        torch.set_num_threads(args.threads)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
