@@ -45,6 +45,12 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         eos = eos_token_ids or _as_tuple(getattr(hf, "eos_token_id", None))
+        max_len = hf.max_position_embeddings
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", model_type == "mistral"):
+            # No sliding-window attention here: within the window it is plain causal attention,
+            # so cap the usable context at the window rather than silently diverge beyond it.
+            max_len = min(max_len, window)
         return cls(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -55,7 +61,7 @@ class ModelConfig:
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
-            max_position_embeddings=hf.max_position_embeddings,
+            max_position_embeddings=max_len,
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),

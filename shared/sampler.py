@@ -1,7 +1,8 @@
 """The sampler: from a batch of logits to one token per row, each row with its own parameters.
 
-Order, as in vLLM: logprobs of the raw logits -> ban tokens (min_tokens) -> penalties ->
-greedy rows take the argmax -> temperature -> top-k -> top-p -> min-p -> sample. Sampling
+Order: logprobs of the raw logits (vLLM's default) -> ban tokens (min_tokens) -> penalties ->
+greedy rows take the argmax -> temperature -> top-k -> top-p -> min-p (HF's warper order; vLLM
+V1 applies min-p before top-p, which differs only when both are set) -> sample. Sampling
 uses the exponential race (argmax of p / Exp(1) noise), so a row with a seed draws its noise
 from its own generator and gets the same tokens whatever else is in the batch."""
 from __future__ import annotations

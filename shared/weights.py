@@ -22,7 +22,9 @@ def resolve_model_path(model: str | None) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+    if path.exists():
+        raise FileNotFoundError(f"--model {model!r} is a file; give the folder that holds the checkpoint")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model folder {model!r} does not exist")
     from huggingface_hub import snapshot_download
 
