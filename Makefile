@@ -1,6 +1,6 @@
 # The two commands of the README: `make serve` and `make test`. Both set up on first use.
 PYTHON ?= python3
-LATEST ?= part02_streaming
+LATEST ?= part04_continuous_batching
 ARGS ?=
 
 .PHONY: setup serve test
