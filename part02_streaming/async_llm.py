@@ -31,7 +31,13 @@ class AsyncLLM:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self.num_unfinished = 0  # requests accepted and not yet done (queued or running)
         self.num_aborted = 0
-        self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Run the engine loop on a background thread (tests, notebooks). `python -m ...server`
+        instead calls run_engine_loop() on the main thread: on CPU, PyTorch runs about 2x slower
+        on a second thread once the main thread has used its OpenMP pool (as loading does)."""
+        self._thread = threading.Thread(target=self.run_engine_loop, name="engine", daemon=True)
         self._thread.start()
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
@@ -53,7 +59,8 @@ class AsyncLLM:
                 request.aborted = True  # the engine thread sees it before its next token
             self.num_unfinished -= 1
 
-    def _engine_loop(self) -> None:
+    def run_engine_loop(self) -> None:
+        """Serve jobs until shutdown()."""
         while (job := self._jobs.get()) is not None:
             request = job.request
             try:
@@ -69,4 +76,5 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self._jobs.put(None)
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)

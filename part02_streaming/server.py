@@ -9,6 +9,8 @@ its generation.
 from __future__ import annotations
 
 import argparse
+import threading
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -28,9 +30,12 @@ from .llm import LLM
 from .request import Request
 
 
-def build_app(llm: LLM, model_name: str) -> FastAPI:
+def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
+    """The app; with engine_thread=False the caller must run app.state.async_llm.run_engine_loop()."""
     engine = llm.engine
     async_llm = AsyncLLM(engine)
+    if engine_thread:
+        async_llm.start()
     serving = OpenAIServing(engine.tokenizer, model_name, engine.max_model_len)
 
     @asynccontextmanager
@@ -110,8 +115,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     llm = LLM(**EngineConfig.from_cli_args(args).to_dict())
-    app = build_app(llm, args.served_model_name or served_model_name(args.model))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    app = build_app(llm, args.served_model_name or served_model_name(args.model), engine_thread=False)
+    # The engine keeps the main thread (where the model was loaded: the fast place for PyTorch on
+    # CPU); the event loop, which only moves bytes, runs on a second thread.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    http = threading.Thread(target=server.run, name="http", daemon=True)
+    http.start()
+    try:
+        while not server.started and http.is_alive():
+            time.sleep(0.05)
+        if http.is_alive():
+            app.state.async_llm.run_engine_loop()  # until the app's shutdown stops it
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)
+
 
 
 if __name__ == "__main__":
