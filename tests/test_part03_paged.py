@@ -87,10 +87,13 @@ def test_n_samples_and_abort_free_blocks(llm03):
     assert pool_is_full(llm03)
 
 
-def test_request_larger_than_pool_is_refused(llm03):
+def test_request_larger_than_pool_is_refused():
     from part03_paged_attention import LLM
 
+    small = LLM(kv_cache_memory_mb=12)  # 17 blocks: 16 usable, 256 tokens
     with pytest.raises(InvalidRequestError) as e:
-        small = LLM(kv_cache_memory_mb=1)
         small.engine.make_request("hi", SamplingParams(max_tokens=4000))
     assert e.value.param == "max_tokens"
+    small.engine.make_request("hi", SamplingParams(max_tokens=200))  # fits: accepted
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        LLM(kv_cache_memory_mb=1)  # a budget below two blocks is refused at start-up
