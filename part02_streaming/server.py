@@ -9,6 +9,7 @@ its generation.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -16,6 +17,7 @@ from typing import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from sse_starlette import EventSourceResponse
 
 from shared.outputs import RequestOutput
@@ -28,6 +30,8 @@ from .async_llm import AsyncLLM
 from .config import EngineConfig
 from .llm import LLM
 from .request import Request
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
 
 
 def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
@@ -47,9 +51,21 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
     app.state.llm, app.state.async_llm = llm, async_llm
     install_error_handlers(app)
 
-    async def run_to_end(request: Request) -> RequestOutput:
-        async for _ in async_llm.generate(request):
-            pass
+    async def run_to_end(request: Request, raw: HTTPRequest) -> RequestOutput:
+        """Generate to the end; if the client goes away meanwhile, abort (as a stream would)."""
+        async def drain() -> None:
+            async for _ in async_llm.generate(request):
+                pass
+
+        task = asyncio.ensure_future(drain())
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await raw.is_disconnected():
+                task.cancel()  # the generator's cleanup marks the request aborted
+                break
+        try:
+            await task  # engine errors surface here
+        except asyncio.CancelledError:
+            pass  # we cancelled it: nobody is left to read the reply
         return request.output()
 
     @app.get("/health")
@@ -61,12 +77,12 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
         return serving.models()
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, raw: HTTPRequest):
         serving.check_model(req.model)
         params = req.to_sampling_params()
         requests = [engine.make_request(p, params) for p in req.prompts()]
         if not req.stream:
-            return serving.completion_response(req, [await run_to_end(r) for r in requests])
+            return serving.completion_response(req, [await run_to_end(r, raw) for r in requests])
 
         async def events() -> AsyncIterator[str]:
             rid = new_request_id("cmpl")
@@ -82,11 +98,11 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
         return EventSourceResponse(events())
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
+    async def chat(req: ChatCompletionRequest, raw: HTTPRequest):
         serving.check_model(req.model)
         request = engine.make_request(serving.chat_prompt(req), req.to_sampling_params())
         if not req.stream:
-            return serving.chat_response(req, await run_to_end(request))
+            return serving.chat_response(req, await run_to_end(request, raw))
 
         async def events() -> AsyncIterator[str]:
             rid, first = new_request_id("chatcmpl"), True

@@ -259,3 +259,16 @@ def test_module_entry_point(part):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_non_streaming_disconnect_aborts_too(streaming_server):
+    url, app = streaming_server
+    async_llm = app.state.async_llm
+    aborted_before = async_llm.num_aborted
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 30
+    while (async_llm.num_unfinished or async_llm.num_aborted == aborted_before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert async_llm.num_unfinished == 0 and async_llm.num_aborted == aborted_before + 1
