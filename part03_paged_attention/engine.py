@@ -47,7 +47,7 @@ class LLMEngine:
                        for i in range(params.n)]
         request = Request(request_id or str(next(self._ids)), text, ids, params, completions,
                           make_generator(params.seed, self.runner.device))
-        usable = self.kv_cache_manager.block_pool.get_num_free_blocks() + self._num_used_blocks()
+        usable = self.runner.num_blocks - 1  # all but the null block
         if self.worst_case_blocks(request) > usable:
             raise InvalidRequestError(
                 f"this request may need {self.worst_case_blocks(request)} KV blocks but the pool has "
@@ -67,9 +67,6 @@ class LLMEngine:
                 f"requested {wanted} tokens ({len(ids)} in the prompt, {params.max_tokens or 1} for the "
                 f"completion). Please reduce the length of the prompt or max_tokens.", "max_tokens"
                 if params.max_tokens and len(ids) < self.max_model_len else "prompt")
-
-    def _num_used_blocks(self) -> int:
-        return sum(len(b) for b in self.kv_cache_manager.req_to_blocks.values())
 
     def worst_case_blocks(self, request: Request) -> int:
         longest = min(self.max_model_len, len(request.prompt_token_ids)
