@@ -15,7 +15,7 @@ Two implementations of the same maths: Triton kernels (triton_kernels.py, the GP
 torch reference below (the CPU path, and the oracle the kernels are tested against)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ class PagedAttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: cumulative new-token counts (starts at 0)
     max_query_len: int  # host-side copies, so kernel launches need no device -> host sync
     max_seq_len: int
+    _plan: "_ReferencePlan | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -79,7 +80,40 @@ def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens reached through block_ids [..., n]: [..., length, KV, D]."""
-    return cache[block_ids.long()].flatten(-4, -3)[..., :length, :, :]
+    return cache[block_ids].flatten(-4, -3)[..., :length, :, :]
+
+
+@dataclass
+class _ReferencePlan:
+    """What the torch path derives from the metadata: the same for every layer of a step, so it
+    is worked out once, on the first layer, and reused by the other layers."""
+    decode_rows: torch.Tensor | None  # rows of q that are decode tokens (one per sequence)
+    decode_tables: torch.Tensor | None  # their block tables, cut to the longest of them
+    decode_len: int
+    decode_mask: torch.Tensor | None  # [Bd, decode_len]: True where a key exists
+    prefills: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, seq_len, blocks)
+
+
+def _reference_plan(metadata: PagedAttentionMetadata, block_size: int) -> _ReferencePlan:
+    if metadata._plan is not None:
+        return metadata._plan
+    starts = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    device = metadata.seq_lens.device
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    rows = tables = mask = None
+    max_len = 0
+    if decode:
+        rows = torch.tensor([starts[i] for i in decode], device=device)
+        idx = torch.tensor(decode, device=device)
+        max_len = max(seq_lens[i] for i in decode)
+        tables = metadata.block_tables[idx, :cdiv(max_len, block_size)].long()
+        mask = torch.arange(max_len, device=device)[None, :] < metadata.seq_lens[idx][:, None]
+    prefills = [(starts[i], n, seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], block_size)].long())
+                for i, n in enumerate(q_lens) if n > 1]
+    metadata._plan = _ReferencePlan(rows, tables, max_len, mask, prefills)
+    return metadata._plan
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -87,34 +121,21 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Causal attention of the new tokens q [T, H, D] over everything each sequence has in the
     cache (this step's K/V must already be stored). GQA when H is a multiple of KV. -> [T, H, D]"""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    block_size = k_cache.shape[1]
-    starts = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
-    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    plan = _reference_plan(metadata, k_cache.shape[1])
 
     # Decode sequences (one new token each) go together: one gather of their blocks, padded to
     # the longest, a mask hiding each one's padding, and one batched SDPA call.
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
-        rows = torch.tensor([starts[i] for i in decode], device=q.device)
-        idx = torch.tensor(decode, device=q.device)
-        max_len = max(seq_lens[i] for i in decode)
-        tables = metadata.block_tables[idx, :cdiv(max_len, block_size)]
-        k = _gather(k_cache, tables, max_len).transpose(1, 2)  # [Bd, KV, L, D]
-        v = _gather(v_cache, tables, max_len).transpose(1, 2)
-        lens = metadata.seq_lens[idx]
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [Bd, L]
-        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+    if plan.decode_rows is not None:
+        k = _gather(k_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)  # [Bd, KV, L, D]
+        v = _gather(v_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[plan.decode_rows].unsqueeze(2), k, v,
+                                           attn_mask=plan.decode_mask[:, None, None, :],
                                            scale=scale, enable_gqa=True)  # [Bd, H, 1, D]
-        out[rows] = o.squeeze(2)
+        out[plan.decode_rows] = o.squeeze(2)
 
     # Longer queries one sequence at a time: gather its blocks; the causal mask is offset by the
     # context already cached (q_start), which sdpa() handles.
-    for i, q_len in enumerate(q_lens):
-        if q_len <= 1:
-            continue
-        start, seq_len = starts[i], seq_lens[i]
-        tables = metadata.block_tables[i, :cdiv(seq_len, block_size)]
+    for start, q_len, seq_len, tables in plan.prefills:
         k, v = _gather(k_cache, tables, seq_len), _gather(v_cache, tables, seq_len)
         out[start:start + q_len] = sdpa(q[start:start + q_len], k, v, scale, q_start=seq_len - q_len)
     return out
