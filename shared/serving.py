@@ -4,7 +4,6 @@ runs the engine (blocking, streaming, batched)."""
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -128,8 +127,7 @@ class OpenAIServing:
         return chunks
 
     def usage_chunk(self, cls, request_id: str, outputs: list[RequestOutput]):
-        return cls(id=request_id, model=self.model_name, choices=[], usage=self.usage(outputs),
-                   created=int(time.time()))
+        return cls(id=request_id, model=self.model_name, choices=[], usage=self.usage(outputs))
 
     # ---- logprobs in OpenAI's two formats ---------------------------------------------
     @staticmethod
