@@ -137,6 +137,28 @@ def test_decode_step_cost_scales_with_batch():
     assert row.memory_s > row.compute_s  # batch-1 decode is memory-bound
 
 
+def test_workload_floor_counts_every_token_once():
+    from shared.bench.roofline import MachinePeaks, linear_params, workload_floor
+    from shared.config import ModelConfig
+
+    cfg = ModelConfig("llama", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      rms_norm_eps=1e-5, max_position_embeddings=256)
+    peaks = MachinePeaks("cpu", "float32", matmul_flops=1e11, matmul_n=0, bandwidth=1e10, copy_bytes=0)
+    head, layers = 1000 * 64, linear_params(cfg) - 1000 * 64
+    # One request, prompt 3, output 2: tokens at positions 0..3 go through the layers (the 2nd
+    # output is never fed back), the head runs twice, and position i attends over i + 1 keys.
+    f = workload_floor(cfg, peaks, [3], [2])
+    attention = 4 * 2 * 4 * 16 * (1 + 2 + 3 + 4)
+    assert f.flops == pytest.approx(2 * (4 * layers + 2 * head) + attention)
+    assert f.compute_s == pytest.approx(f.flops / 1e11)
+    # The longest output sets the step count; each step reads every weight.
+    two = workload_floor(cfg, peaks, [3, 5], [2, 7])
+    assert two.min_steps == 7 and two.memory_s == pytest.approx(7 * linear_params(cfg) * 4 / 1e10)
+    assert two.bound_s == max(two.compute_s, two.memory_s)
+    assert two.flops == pytest.approx(f.flops + workload_floor(cfg, peaks, [5], [7]).flops)
+
+
 # ---------------------------------------------------------------- throughput harness, end to end
 
 
@@ -156,7 +178,9 @@ def test_throughput_harness_greedy_parity_with_hf(llm01, hf_tokenizer):
     assert static.matches_ours == cb.matches_ours == 2
     assert res.ratios["hf-generate"]["output_tokens_per_s"] == pytest.approx(
         ours.output_tokens_per_s / static.output_tokens_per_s)
-    assert "hf-generate-batch" in res.table()
+    assert "hf-generate-batch" in res.table() and "floor:" in res.table()
+    # No system can beat the floor: if one did, the floor's maths or peaks would be wrong.
+    assert 0 < res.floor["bound_s"] <= min(s.wall_s for s in (ours, static, cb))
     json.dumps(res.to_dict())  # everything is JSON-serialisable
 
 

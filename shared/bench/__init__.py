@@ -12,11 +12,11 @@ functions returning dataclasses, for notebooks:
 - throughput.py  offline throughput, ratios ours / baseline
 - serve.py       OpenAI-compatible streaming load client (vllm bench serve's metrics)
 - metrics.py     the metric maths, pure functions
-- roofline.py    measured machine peaks and the decode-step lower bound"""
+- roofline.py    measured machine peaks, the decode-step and whole-workload lower bounds"""
 from .metrics import (LatencyStats, Rates, RequestRecord, ServeMetrics, compute_serve_metrics,
                       latency_stats, request_tpot, throughput_rates)
-from .roofline import (MachinePeaks, RooflineResult, StepCost, decode_step_cost, measure_peaks,
-                       run_roofline)
+from .roofline import (MachinePeaks, RooflineResult, StepCost, WorkloadFloor, decode_step_cost,
+                       measure_peaks, run_roofline, workload_floor)
 from .serve import ServeConfig, ServeResult, run_serve, run_serve_async
 from .throughput import SystemResult, ThroughputResult, measure_system, run_throughput
 from .workload import BenchRequest, Workload, make_workload, parse_range
@@ -26,5 +26,5 @@ __all__ = [
     "ServeConfig", "ServeMetrics", "ServeResult", "StepCost", "SystemResult", "ThroughputResult",
     "Workload", "compute_serve_metrics", "decode_step_cost", "latency_stats", "make_workload",
     "measure_peaks", "measure_system", "parse_range", "request_tpot", "run_roofline", "run_serve",
-    "run_serve_async", "run_throughput", "throughput_rates",
+    "run_serve_async", "run_throughput", "throughput_rates", "WorkloadFloor", "workload_floor",
 ]

@@ -7,7 +7,9 @@ the batch: at batch 1 a step is a matrix-vector product, memory-bound by far, an
 point of batching (parts 04+) is to raise the FLOPs done per weight byte read.
 
 Both peaks are *measured* here (a large GEMM, a large copy) rather than taken from a spec
-sheet, and the actual step time is measured through the part's public LLM API."""
+sheet, and the actual step time is measured through the part's public LLM API.
+`workload_floor` applies the same reasoning to a whole benchmark workload: the least time any
+engine could take for it here, which the throughput report prints beside the measured systems."""
 from __future__ import annotations
 
 import json
@@ -117,6 +119,38 @@ def decode_step_cost(cfg: ModelConfig, batch_size: int, context_len: int,
     kv_bytes = 2.0 * batch_size * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim \
         * context_len * dtype_bytes
     return StepCost(batch_size, context_len, flops, weight_bytes, kv_bytes)
+
+
+@dataclass
+class WorkloadFloor:
+    """The least time any engine needs for a whole workload on this machine: every FLOP at the
+    measured GEMM peak, or, if longer, one full read of the weights per step for as many steps
+    as the longest output needs (its tokens come out one step at a time)."""
+    flops: float
+    compute_s: float
+    min_steps: int
+    memory_s: float
+
+    @property
+    def bound_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+
+def workload_floor(cfg: ModelConfig, peaks: MachinePeaks, prompt_lens: Sequence[int],
+                   output_lens: Sequence[int], dtype_bytes: int = 4) -> WorkloadFloor:
+    """A request with p prompt and o output tokens feeds p + o - 1 tokens through the layers
+    (the last output is never fed back), applies the LM head o times, and its token at position
+    i attends over i + 1 keys."""
+    head = cfg.vocab_size * cfg.hidden_size
+    layers = linear_params(cfg) - head
+    attn_per_key = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+    flops = 0.0
+    for p, o in zip(prompt_lens, output_lens):
+        fed = p + o - 1
+        flops += 2.0 * (fed * layers + o * head) + attn_per_key * fed * (fed + 1) / 2
+    steps = max(output_lens, default=0)
+    memory = steps * linear_params(cfg) * dtype_bytes / peaks.bandwidth
+    return WorkloadFloor(flops, flops / peaks.matmul_flops, steps, memory)
 
 
 @dataclass

@@ -52,6 +52,9 @@ class ThroughputResult:
     systems: list[SystemResult]
     # ratios[baseline][metric] = ours / baseline (> 1: our engine is faster)
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The least time any engine needs for this workload here (roofline.workload_floor), with
+    # the machine peaks it was computed from; empty when not asked for.
+    floor: dict[str, Any] = field(default_factory=dict)
 
     def system(self, name: str) -> SystemResult:
         return next(s for s in self.systems if s.name == name)
@@ -153,11 +156,12 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
                    engine_kwargs: dict[str, Any] | None = None,
                    baselines: Sequence[str] = BASELINES, hf_batch_size: int = 8,
                    hf_max_batch_tokens: int | None = None, progress: bool = True,
-                   keep_tokens: bool = False) -> ThroughputResult:
+                   keep_tokens: bool = False, floor: bool = True) -> ThroughputResult:
     """Measure our engine (`llm`: a part's module name, its LLM class, a factory or an LLM
     instance) and then each baseline on `workload` (default: make_workload() for the model).
     Our engine runs first and is released before the baselines load, so on a GPU each system
-    gets the whole device memory."""
+    gets the whole device memory. With `floor`, the machine's GEMM and copy peaks are measured
+    first and the workload's floor (the fastest any engine could be here) is reported too."""
     from shared.device import resolve_device, resolve_dtype
     from shared.weights import resolve_model_path
 
@@ -173,6 +177,7 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
     if workload is None:
         workload = make_workload(str(model_path))
     engine_kwargs = dict(engine_kwargs or {})
+    floor_info = _floor(model_path, workload, dev, dt) if floor else {}
 
     ours = EngineSystem(llm, model=model, device=device, dtype=dtype, engine_kwargs=engine_kwargs)
     results = [measure_system(ours, workload, progress)]
@@ -195,7 +200,19 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
             r.token_ids = None
     describe = {**workload.describe(), "model_path": str(model_path),
                 "sampling": "greedy (temperature=0), ignore_eos, max_tokens=output_len"}
-    return ThroughputResult(describe, machine_info(dev, dt), results, ratios)
+    return ThroughputResult(describe, machine_info(dev, dt), results, ratios, floor_info)
+
+
+def _floor(model_path: Path, workload: Workload, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    from shared.weights import load_config
+
+    from .roofline import measure_peaks, workload_floor
+
+    peaks = measure_peaks(device, dtype)
+    f = workload_floor(load_config(model_path), peaks, [r.prompt_len for r in workload.requests],
+                       [r.output_len for r in workload.requests], torch.tensor([], dtype=dtype).element_size())
+    return {"matmul_flops": peaks.matmul_flops, "bandwidth": peaks.bandwidth, **asdict(f),
+            "bound_s": f.bound_s, "output_tokens_per_s": workload.output_tokens / f.bound_s}
 
 
 def format_table(res: ThroughputResult) -> str:
@@ -225,6 +242,18 @@ def format_table(res: ThroughputResult) -> str:
         lines.append(f"{s.name:<18} {load:>7} {s.warmup_s:>7.1f} {s.wall_s:>8.2f} {s.requests_per_s:>8.3f} "
                      f"{s.output_tokens_per_s:>10.1f} {s.total_tokens_per_s:>12.1f} "
                      f"{ratio:>10} {same:>12}{flag}")
+    if res.floor:
+        f = res.floor
+        ceilings = [f"{s.wall_s / f['bound_s']:.1f}x {s.name}" for s in res.systems[1:]
+                    if not s.error and s.wall_s]
+        lines.append(f"floor: {f['bound_s']:.2f} s, {f['output_tokens_per_s']:.0f} out tok/s at most on this "
+                     f"machine ({f['flops'] / 1e12:.2f} TFLOP at {f['matmul_flops'] / 1e9:.0f} GFLOP/s = "
+                     f"{f['compute_s']:.2f} s; {f['min_steps']} steps x weights at "
+                     f"{f['bandwidth'] / 1e9:.0f} GB/s = {f['memory_s']:.2f} s)"
+                     + (f"; an engine at the floor would be {', '.join(ceilings)}" if ceilings else ""))
+        ours = res.systems[0]
+        if not ours.error and ours.wall_s:
+            lines.append(f"  ours runs at {f['bound_s'] / ours.wall_s:.0%} of the floor")
     for s in res.systems:
         if s.notes:
             shown = {k: v for k, v in s.notes.items() if k != "traceback"}
