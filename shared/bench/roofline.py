@@ -232,7 +232,7 @@ def run_roofline(llm: LLMSpec, batch_sizes: Sequence[int] = (1, 2, 4, 8), prompt
     dt = resolve_dtype(dtype, dev)
     path = resolve_model_path(model)
     cfg = load_config(path)
-    dtype_bytes = torch.tensor([], dtype=dt).element_size()
+    dtype_bytes = dt.itemsize
     peaks = measure_peaks(dev, dt)
     # KV length averaged over the k decode steps (it grows by one per step).
     context = prompt_len + (decode_tokens + 1) // 2

@@ -210,7 +210,7 @@ def _floor(model_path: Path, workload: Workload, device: torch.device, dtype: to
 
     peaks = measure_peaks(device, dtype)
     f = workload_floor(load_config(model_path), peaks, [r.prompt_len for r in workload.requests],
-                       [r.output_len for r in workload.requests], torch.tensor([], dtype=dtype).element_size())
+                       [r.output_len for r in workload.requests], dtype.itemsize)
     return {"matmul_flops": peaks.matmul_flops, "bandwidth": peaks.bandwidth, **asdict(f),
             "bound_s": f.bound_s, "output_tokens_per_s": workload.output_tokens / f.bound_s}
 
