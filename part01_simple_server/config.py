@@ -12,6 +12,9 @@ class EngineConfig:
     device: str | None = field(default=None, metadata={"help": "cuda or cpu (default: cuda if available)"})
     dtype: str | None = field(default=None, metadata={"help": "float32, bfloat16, float16 "
                                                       "(default: bf16 on cuda, fp32 on cpu)"})
+    load_format: str = field(default="auto", metadata={"help": "auto: the checkpoint's weights; dummy: "
+                                                       "random weights, only config.json is read "
+                                                       "(benchmarks of shapes without weights)"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the "
                                                               "model's, at most 8192)"})
     use_kv_cache: bool = field(default=True, metadata={"help": "off: recompute the whole sequence "

@@ -17,7 +17,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[CompletionState]
-    generator: torch.Generator | None = None
+    generators: list[torch.Generator | None] = field(default_factory=list)  # one per sample
     aborted: bool = field(default=False)
 
     @property

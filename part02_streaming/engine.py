@@ -8,7 +8,7 @@ from typing import Iterator
 from shared.errors import InvalidRequestError
 from shared.output_processor import CompletionState
 from shared.outputs import RequestOutput
-from shared.sampler import Sampler, SamplingRow, make_generator
+from shared.sampler import Sampler, SamplingRow, make_generators
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -38,7 +38,7 @@ class LLMEngine:
         completions = [CompletionState(i, params, self.tokenizer, ids, self.eos_token_ids, self.max_model_len)
                        for i in range(params.n)]
         return Request(request_id or str(next(self._ids)), text, ids, params, completions,
-                       make_generator(params.seed, self.runner.device))
+                       make_generators(params.seed, params.n, self.runner.device))
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -46,6 +46,7 @@ class LLMEngine:
         vocab = self.runner.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        params.verify_vocab(vocab)
         wanted = len(ids) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise InvalidRequestError(
@@ -76,8 +77,8 @@ class LLMEngine:
         start = 0
         while not state.finished:
             logits = self.runner.forward(tokens[start:], start, cache)
-            row = SamplingRow(params, request.generator, request.prompt_token_ids, state.token_ids,
-                              state.banned_token_ids)
+            row = SamplingRow(params, request.generators[state.index], request.prompt_token_ids,
+                              state.token_ids, state.banned_token_ids)
             out = self.sampler(logits, [row])
             tok = out.token_ids[0]
             if out.logprobs is None:

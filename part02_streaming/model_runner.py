@@ -24,7 +24,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings,
                                                              DEFAULT_MAX_MODEL_LEN),
                                  cfg.max_position_embeddings)
-        self.model = load_model(self.model_path, self.device, self.dtype, self.max_model_len)
+        self.model = load_model(self.model_path, self.device, self.dtype, self.max_model_len,
+                                config.load_format)
         self.model_config = self.model.config
 
     def new_cache(self, capacity: int) -> ContiguousKVCache:

@@ -14,7 +14,7 @@ from typing import Iterator
 from shared.errors import InvalidRequestError
 from shared.output_processor import CompletionState
 from shared.outputs import RequestOutput
-from shared.sampler import Sampler, SamplingRow, make_generator
+from shared.sampler import Sampler, SamplingRow, make_generators
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -46,7 +46,7 @@ class LLMEngine:
         completions = [CompletionState(i, params, self.tokenizer, ids, self.eos_token_ids, self.max_model_len)
                        for i in range(params.n)]
         request = Request(request_id or str(next(self._ids)), text, ids, params, completions,
-                          make_generator(params.seed, self.runner.device))
+                          make_generators(params.seed, params.n, self.runner.device))
         usable = self.runner.num_blocks - 1  # all but the null block
         if self.worst_case_blocks(request) > usable:
             raise InvalidRequestError(
@@ -60,6 +60,7 @@ class LLMEngine:
         vocab = self.runner.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        params.verify_vocab(vocab)
         wanted = len(ids) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise InvalidRequestError(
@@ -109,7 +110,7 @@ class LLMEngine:
                     entries.append(SequenceBatchEntry(s.token_ids[s.num_computed_tokens:],
                                                       s.num_computed_tokens, kv.get_block_ids(s.seq_id)))
                 logits = self.runner.forward(entries)
-                rows = [SamplingRow(s.request.params, s.request.generator, s.request.prompt_token_ids,
+                rows = [SamplingRow(s.request.params, s.generator, s.request.prompt_token_ids,
                                     s.state.token_ids, s.state.banned_token_ids) for s in live]
                 out = self.sampler(logits, rows)
                 for i, s in enumerate(live):

@@ -11,7 +11,7 @@ import itertools
 from shared.errors import InvalidRequestError
 from shared.output_processor import CompletionState
 from shared.outputs import RequestOutput
-from shared.sampler import Sampler, SamplingRow, make_generator
+from shared.sampler import Sampler, SamplingRow, make_generators
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -52,7 +52,7 @@ class LLMEngine:
         completions = [CompletionState(i, params, self.tokenizer, ids, self.eos_token_ids, self.max_model_len)
                        for i in range(params.n)]
         request = Request(request_id or str(next(self._ids)), text, ids, params, completions,
-                          make_generator(params.seed, self.runner.device))
+                          make_generators(params.seed, params.n, self.runner.device))
         usable = self.runner.num_blocks - 1  # all but the null block
         if self.worst_case_blocks(request) > usable:
             raise InvalidRequestError(
@@ -66,6 +66,7 @@ class LLMEngine:
         vocab = self.runner.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        params.verify_vocab(vocab)
         wanted = len(ids) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise InvalidRequestError(
@@ -107,7 +108,7 @@ class LLMEngine:
                    for seq, n in out.scheduled]
         logits = self.runner.forward(entries)
         seqs = [seq for seq, _ in out.scheduled]
-        rows = [SamplingRow(s.request.params, s.request.generator, s.request.prompt_token_ids,
+        rows = [SamplingRow(s.request.params, s.generator, s.request.prompt_token_ids,
                             s.state.token_ids, s.state.banned_token_ids) for s in seqs]
         sampled = self.sampler(logits, rows)
         touched: dict[str, Request] = {}

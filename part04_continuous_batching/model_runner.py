@@ -36,7 +36,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings,
                                                              DEFAULT_MAX_MODEL_LEN),
                                  cfg.max_position_embeddings)
-        self.model = load_model(self.model_path, self.device, self.dtype, self.max_model_len)
+        self.model = load_model(self.model_path, self.device, self.dtype, self.max_model_len,
+                                config.load_format)
         self.model_config = c = self.model.config
         self.block_size = config.block_size
         self.num_blocks = num_blocks_for_budget(config.kv_cache_memory_mb * 2**20, c.num_hidden_layers,

@@ -28,6 +28,10 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.request.generators[self.state.index]
+
     def append(self, token_id: int, logprob=None, top=None, rank=None) -> bool:
         self.token_ids.append(token_id)
         return self.state.append(token_id, logprob, top, rank)
@@ -40,7 +44,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[CompletionState]
-    generator: torch.Generator | None = None
+    generators: list[torch.Generator | None] = field(default_factory=list)  # one per sample
     aborted: bool = field(default=False)
     sequences: list[Sequence] = field(default_factory=list)
 

@@ -2,7 +2,8 @@
 
 Generation runs on the AsyncLLM's engine thread, so the event loop stays free: /health answers
 during a long generation, tokens stream as they are made, and a client that disconnects stops
-its generation.
+its generation. The prompts of one /v1/completions request are generated together, so
+continuous batching runs them in the same steps.
 
     python -m part02_streaming.server [--model M] [--host 127.0.0.1] [--port 8000]
 """
@@ -51,22 +52,56 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
     app.state.llm, app.state.async_llm = llm, async_llm
     install_error_handlers(app)
 
-    async def run_to_end(request: Request, raw: HTTPRequest) -> RequestOutput:
-        """Generate to the end; if the client goes away meanwhile, abort (as a stream would)."""
-        async def drain() -> None:
+    async def run_to_end(requests: list[Request], raw: HTTPRequest) -> list[RequestOutput]:
+        """Generate all to the end together (they batch); if the client goes away meanwhile,
+        abort them all (as a stream would)."""
+        async def drain(request: Request) -> None:
             async for _ in async_llm.generate(request):
                 pass
 
-        task = asyncio.ensure_future(drain())
-        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
-            if await raw.is_disconnected():
-                task.cancel()  # the generator's cleanup marks the request aborted
-                break
+        tasks = [asyncio.ensure_future(drain(r)) for r in requests]
+        everything = asyncio.gather(*tasks)
         try:
-            await task  # engine errors surface here
-        except asyncio.CancelledError:
-            pass  # we cancelled it: nobody is left to read the reply
-        return request.output()
+            while not (await asyncio.wait({everything}, timeout=DISCONNECT_POLL_S))[0]:
+                if await raw.is_disconnected():
+                    everything.cancel()  # each generator's cleanup marks its request aborted
+                    break
+            try:
+                await everything  # engine errors surface here
+            except asyncio.CancelledError:
+                pass  # we cancelled it: nobody is left to read the reply
+        finally:
+            for t in tasks:  # one failed, or this handler was cancelled: stop the rest too
+                t.cancel()
+        return [r.output() for r in requests]
+
+    async def interleave(requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(request index, delta) of all the requests, in the order the engine makes them.
+        Cancelling the consumer (client disconnect) aborts every request."""
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, request: Request) -> None:
+            try:
+                async for delta in async_llm.generate(request):
+                    arrived.put_nowait((i, delta))
+                arrived.put_nowait((i, None))
+            except Exception as e:  # engine error: re-raised to the consumer
+                arrived.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+        left = len(requests)
+        try:
+            while left:
+                i, item = await arrived.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    left -= 1
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
 
     @app.get("/health")
     async def health():
@@ -82,14 +117,13 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
         params = req.to_sampling_params()
         requests = [engine.make_request(p, params) for p in req.prompts()]
         if not req.stream:
-            return serving.completion_response(req, [await run_to_end(r, raw) for r in requests])
+            return serving.completion_response(req, await run_to_end(requests, raw))
 
         async def events() -> AsyncIterator[str]:
             rid = new_request_id("cmpl")
-            for i, request in enumerate(requests):
-                async for delta in async_llm.generate(request):
-                    for chunk in serving.completion_chunks(req, rid, i, delta):
-                        yield chunk.model_dump_json()
+            async for i, delta in interleave(requests):  # each chunk names its choice index
+                for chunk in serving.completion_chunks(req, rid, i, delta):
+                    yield chunk.model_dump_json()
             if req.include_usage:
                 yield serving.usage_chunk(CompletionStreamResponse, rid,
                                           [r.output() for r in requests]).model_dump_json()
@@ -102,7 +136,7 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
         serving.check_model(req.model)
         request = engine.make_request(serving.chat_prompt(req), req.to_sampling_params())
         if not req.stream:
-            return serving.chat_response(req, await run_to_end(request, raw))
+            return serving.chat_response(req, (await run_to_end([request], raw))[0])
 
         async def events() -> AsyncIterator[str]:
             rid, first = new_request_id("chatcmpl"), True

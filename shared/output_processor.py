@@ -4,6 +4,7 @@ max_tokens, model length), keeps logprobs, and hands out text deltas for streami
 from __future__ import annotations
 
 from .detokenizer import IncrementalDetokenizer, find_stop_string
+from .errors import InvalidRequestError
 from .outputs import CompletionOutput, Logprob
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -12,6 +13,9 @@ from .tokenizer import Tokenizer
 class CompletionState:
     def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer,
                  prompt_token_ids: list[int], eos_token_ids: tuple[int, ...], max_model_len: int):
+        if params.stop and tokenizer.hf is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
+                                      "stop")
         self.index = index
         self.params = params
         self.tokenizer = tokenizer

@@ -1,14 +1,15 @@
 """OpenAI request/response schemas (completions, chat, streaming chunks, errors, models).
 
 Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens)."""
+min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens). OpenAI
+fields we cannot honour (structured output, tool calling) are refused with a 400."""
 from __future__ import annotations
 
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import InvalidRequestError
 from .sampling_params import SamplingParams
@@ -30,6 +31,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
+    # Unknown fields are ignored (as vLLM does); OpenAI fields that would change the output but
+    # that we cannot honour are declared, so that they can be refused.
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -43,6 +46,8 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no structured output yet
     # vLLM extras
     top_k: int | None = None
     min_p: float = 0.0
@@ -56,6 +61,9 @@ class _SamplingRequest(BaseModel):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true", "stream_options")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise InvalidRequestError(f"response_format of type {self.response_format.get('type')!r} is not "
+                                      f"supported yet (only \"text\")", "response_format")
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -64,7 +72,15 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequestError("logit_bias keys must be token ids (integers)", "logit_bias") from None
 
     @property
     def include_usage(self) -> bool:
@@ -99,6 +115,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @model_validator(mode="after")
+    def _needs_content(self) -> "ChatMessage":
+        # Only an assistant turn may lack content (OpenAI: it then carries tool calls).
+        if self.content is None and self.role in ("system", "user", "developer"):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -106,8 +129,19 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool and function calling: not supported, so refused rather than silently ignored.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} (tool calling) is not supported yet", name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise InvalidRequestError(f"{name} (tool calling) is not supported yet", name)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = self.max_completion_tokens or self.max_tokens

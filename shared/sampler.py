@@ -1,10 +1,15 @@
 """The sampler: from a batch of logits to one token per row, each row with its own parameters.
 
-Order: logprobs of the raw logits (vLLM's default) -> ban tokens (min_tokens) -> penalties ->
+Order: logprobs of the raw logits (vLLM's default) -> ban tokens (min_tokens) -> logit_bias -> penalties ->
 greedy rows take the argmax -> temperature -> top-k -> top-p -> min-p (HF's warper order; vLLM
 V1 applies min-p before top-p, which differs only when both are set) -> sample. Sampling
 uses the exponential race (argmax of p / Exp(1) noise), so a row with a seed draws its noise
-from its own generator and gets the same tokens whatever else is in the batch."""
+from its own generator and gets the same tokens whatever else is in the batch. Each of a
+request's n samples has its own generator, seeded seed + index as vLLM seeds its n child requests,
+so one sample's tokens never depend on when its siblings stop.
+
+`sample()` leaves its results on the device (an engine that overlaps steps reads them later);
+calling the sampler returns them as host lists."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,12 +37,40 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+@dataclass
+class SampledBatch:
+    """The sampler's results, still on the device: nothing here has waited for the device."""
+    token_ids: torch.Tensor  # [B] long
+    logprobs: torch.Tensor | None = None  # [B]: of each sampled token
+    ranks: torch.Tensor | None = None  # [B]
+    top_ids: torch.Tensor | None = None  # [B, k]
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+    num_top: list[int] | None = None  # how many of the k each row asked for
+
+    def to_output(self) -> SamplerOutput:
+        """Copy to the host (waits for the device)."""
+        tokens = self.token_ids.tolist()
+        if self.logprobs is None:
+            return SamplerOutput(tokens)
+        tops = []
+        ids = self.top_ids.tolist() if self.top_ids is not None else None
+        vals = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        for i, n in enumerate(self.num_top):
+            tops.append(list(zip(ids[i][:n], vals[i][:n])) if n else [])
+        return SamplerOutput(tokens, self.logprobs.tolist(), self.ranks.tolist(), tops)
+
+
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
     if seed is None:
         return None
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
+
+
+def make_generators(seed: int | None, n: int, device: torch.device) -> list[torch.Generator | None]:
+    """One generator per sample of a request: sample i is seeded seed + i (vLLM's rule)."""
+    return [make_generator(None if seed is None else seed + i, device) for i in range(n)]
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -67,6 +100,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI's logit_bias: add each row's bias to its named tokens (values in [-100, 100], so
+    +-100 all but forces or forbids a token, as OpenAI describes it)."""
+    rows_idx, cols, vals = [], [], []
+    for i, r in enumerate(rows):
+        for tok, bias in (r.params.logit_bias or {}).items():
+            rows_idx.append(i)
+            cols.append(tok)
+            vals.append(bias)
+    bias = torch.zeros_like(logits)
+    dev = logits.device
+    bias[torch.tensor(rows_idx, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
+        vals, dtype=logits.dtype, device=dev)
+    return logits + bias
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                             min_p: torch.Tensor) -> torch.Tensor:
     """Mask with -inf every token outside a row's top-k, top-p nucleus or min-p floor.
@@ -86,6 +135,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).to_output()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
         logits = logits.float()
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_logprobs) else None
@@ -95,6 +147,8 @@ class Sampler:
             for i, r in enumerate(rows):
                 if r.banned_token_ids:
                     logits[i, list(r.banned_token_ids)] = float("-inf")
+        if any(r.params.logit_bias for r in rows):
+            logits = apply_logit_bias(logits, rows)
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits, rows)
 
@@ -102,9 +156,8 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             tokens[sampled] = self._sample(logits[sampled], [rows[i] for i in sampled])
-        token_list = tokens.tolist()
         if raw_logprobs is None:
-            return SamplerOutput(token_list)
+            return SampledBatch(tokens)
         return self._gather_logprobs(raw_logprobs, tokens, want_logprobs)
 
     @staticmethod
@@ -129,13 +182,9 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
-    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> SamplerOutput:
+    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> SampledBatch:
         chosen = raw.gather(1, tokens[:, None])[:, 0]
         ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
         k = max(n or 0 for n in want)
         top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)
-        tops = []
-        for i, n in enumerate(want):
-            n = n or 0
-            tops.append(list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist())) if n else [])
-        return SamplerOutput(tokens.tolist(), chosen.tolist(), ranks.tolist(), tops)
+        return SampledBatch(tokens, chosen, ranks, top_ids, top_vals, [n or 0 for n in want])

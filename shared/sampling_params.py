@@ -27,6 +27,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-N logprobs per generated token (0: the sampled one only)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # added to a token's logit before sampling (OpenAI)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +68,20 @@ class SamplingParams:
         check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
               f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check(self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer")
+        if self.logit_bias:
+            check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias),
+                  "logit_bias", "logit_bias keys must be token ids (non-negative integers)")
+            check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias",
+                  "logit_bias values must be in [-100, 100]")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Token ids the request names must exist in the model's vocabulary (engines call this:
+        the parameters alone do not know the model)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} has token id {bad[0]}, outside the vocabulary "
+                                          f"[0, {vocab_size})", name)
 
     @property
     def greedy(self) -> bool:

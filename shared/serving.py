@@ -81,6 +81,8 @@ class OpenAIServing:
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         try:
             return self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+        except InvalidRequestError:
+            raise
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidRequestError(f"could not apply the chat template: {e}", "messages") from e
 

@@ -1,4 +1,5 @@
-"""Find and load weights: the embedded default, a local HF folder, or a hub id."""
+"""Find and load weights: the embedded default, a local HF folder, or a hub id; or, with
+`load_format="dummy"`, random weights for a folder that holds only a config.json."""
 from __future__ import annotations
 
 import json
@@ -50,6 +51,10 @@ def load_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(hf, eos_token_ids=eos)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_SEED = 0
+
+
 def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(path.glob("*.safetensors"))
     if files:
@@ -62,17 +67,36 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         return
     bins = sorted(path.glob("pytorch_model*.bin"))
     if not bins:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}; for random weights of "
+                                f"this shape (benchmarks), use --load-format dummy")
     for f in bins:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
+@torch.no_grad()
+def initialize_dummy_weights(model: torch.nn.Module, low: float = -1e-3, high: float = 1e-3,
+                             seed: int = DUMMY_SEED) -> None:
+    """vLLM's `--load-format dummy`: every parameter uniform in [low, high], from a seeded
+    generator (the same weights every run). Values this small keep the forward pass free of
+    NaNs and overflow, so timings are those of real weights of the same shape."""
+    params = list(model.parameters())  # a tied lm_head is the embedding: filled once
+    generator = torch.Generator(device=params[0].device).manual_seed(seed)
+    for p in params:
+        p.uniform_(low, high, generator=generator)
+
+
 def load_model(path: Path, device: torch.device, dtype: torch.dtype,
-               max_positions: int | None = None) -> LlamaForCausalLM:
+               max_positions: int | None = None, load_format: str = "auto") -> LlamaForCausalLM:
+    """load_format "auto": the checkpoint in `path`; "dummy": random weights, only config.json read."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     cfg = load_config(path)
     with torch.device(device):
         model = LlamaForCausalLM(cfg, max_positions=max_positions)
     model.to(dtype)
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+        return model.eval()
     loaded = model.load_weights(iterate_weights(path))
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
