@@ -1,0 +1,143 @@
+"""The scheduler: which sequences run in the next step, and how many tokens each.
+
+Plain Python over two queues, testable without a model (vLLM V1's shape):
+  * running sequences go first, one token each (decode); each needs a KV slot for it. When the
+    pool has no block left, the newest running sequence is preempted: its blocks are freed, its
+    progress forgotten (num_computed_tokens = 0), and it goes back to the front of `waiting`, to
+    be recomputed later from its prompt plus the tokens it had already generated;
+  * then waiting sequences are admitted in FCFS order while the step has room: a free seat
+    (max_num_seqs), token budget for the whole prompt (max_num_batched_tokens) and blocks for it.
+Prefills and decodes of one step are run together in one flattened batch.
+
+Async scheduling (part 05): the step being scheduled may start before the previous step's sampled
+tokens reach the host. So a sequence is advanced when it is *scheduled* (`num_computed_tokens +=
+its new tokens`), and the token its step will sample is counted as an output placeholder: a
+sequence's new tokens are `num_tokens + num_output_placeholders - num_computed_tokens`, which
+for a decode behind a step in flight is 1, the placeholder itself. `update_from_output` turns
+placeholders into real tokens once they arrive."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Sequence
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    continuous_batching: bool = True  # off: admit only into an empty batch (static batching)
+    max_model_len: int | None = None  # with it, no step is scheduled past a sequence's end
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @staticmethod
+    def num_new_tokens(seq: Sequence) -> int:
+        return seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
+
+    def _reaches_its_end(self, seq: Sequence) -> bool:
+        """The token in flight is the sequence's last one (max_tokens or the model length): one
+        more step would sample a token that can only be thrown away, so do not schedule it."""
+        if not seq.num_output_placeholders:
+            return False
+        max_tokens = seq.request.params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+            return True
+        limit = self.config.max_model_len
+        return limit is not None and seq.num_tokens + seq.num_output_placeholders >= limit
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        # 1. Running sequences, oldest first.
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            num_new = self.num_new_tokens(seq)
+            if self._reaches_its_end(seq):
+                i += 1
+                continue
+            if num_new > budget:
+                break
+            while not kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # `seq` preempted itself: it was the newest, nothing after it is left
+
+        # 2. Waiting sequences, FCFS; none on a step that had to preempt (memory is short). A
+        # sequence preempted with a token still in flight waits for that token first.
+        admit = not out.preempted and (self.config.continuous_batching or not self.running)
+        while admit and self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = self.num_new_tokens(seq)
+            if (seq.num_output_placeholders or num_new > budget
+                    or not kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+        # The step is as good as run: advance every scheduled sequence now, and count the token
+        # each will sample as a placeholder until its id reaches the host.
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+            seq.num_output_placeholders += 1
+        return out
+
+    def update_from_output(self, seq: Sequence) -> bool:
+        """One sampled token of `seq` has reached the host. Returns True when it is to be kept;
+        False when the sequence finished (or was aborted) after its step was scheduled: the step
+        in flight ran for nothing, and its token is thrown away."""
+        seq.num_output_placeholders -= 1
+        return not seq.finished
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv_cache_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished (or aborted) sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv_cache_manager.free(seq.seq_id)
