@@ -22,7 +22,7 @@ class EngineConfig:
                                                             "pool, in MiB"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one batch"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
-        "help": "token budget of one step (default: 512 with chunked prefill, else max_model_len)"})
+        "help": "token budget of one step (default: 1024 with chunked prefill, else max_model_len)"})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "help": "split prompts longer than the step's budget into chunks over several steps "
                 "(off: a whole prompt must fit in one step, as in part 05)"})

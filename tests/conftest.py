@@ -1,14 +1,30 @@
 """Session-wide fixtures: the embedded model, HF's reference model and the prompt set are loaded
-once per test session and shared by every test."""
+once per test session and shared by every test.
+
+Every part's engine comes from one factory, `llm_for(part)`: built on first use and reused, on the
+oracle's tier (cpu, fp32: the tier HF's reference runs on, whatever hardware runs the tests), with
+a 256 MiB KV pool for the paged parts. `build_llm(part, **overrides)` builds an uncached one (a
+tiny pool, say) on the same tier. `PARTS` is every part folder there is (`shared.course.stages()`),
+so a new part is in the cross-part tests as soon as its folder exists."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import random
+
+# Before numpy and torch start their thread pools: an idle OpenMP thread sleeps instead of
+# spinning. Beside another busy process (a notebook kernel, a server subprocess, anything else on
+# a small CI runner) spinning threads fight the working ones for the cores: on the 2-core course
+# machine, with one other process busy, HF's 32-token greedy run took 12.0 s with the default
+# policy and 1.5 s with PASSIVE. Set OMP_WAIT_POLICY yourself to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import pytest
 import torch
+
+from shared.course import stages
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -25,6 +41,25 @@ CHAT_PROMPTS = [
     "List three fruits.",
 ]
 NEW_TOKENS = 32
+
+# The oracle tier: greedy parity is checked against HF transformers in fp32 on the CPU, so every
+# engine compared with it runs there too (an automatic device would pick cuda + bf16 on a GPU).
+ORACLE = {"device": "cpu", "dtype": "float32"}
+PAGED_KV_MB = 256  # KV pool of the parts that have one (part 03 on)
+PARTS = [s.name for s in stages()]
+
+
+def part_number(part: str) -> int:
+    return int(part[4:6])  # part03_paged_attention -> 3
+
+
+def build_llm(part: str, **overrides):
+    """A new `LLM` of `part` on the oracle tier (uncached: for tests that need their own engine)."""
+    kwargs = dict(ORACLE)
+    if part_number(part) >= 3:
+        kwargs["kv_cache_memory_mb"] = PAGED_KV_MB
+    kwargs.update(overrides)
+    return importlib.import_module(part).LLM(**kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -68,38 +103,79 @@ def prompt_token_ids(model_path) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_greedy(hf_model):
-    """hf_greedy(ids, n) -> the n token ids HF's own greedy generate produces (memoised)."""
+    """hf_greedy(ids, n) -> the n token ids HF's own greedy generate produces.
+
+    Greedy decoding is prefix-stable (the first k tokens of a longer run are the k-token run), so
+    each prompt is generated once, for max(n, NEW_TOKENS) tokens, and shorter asks are slices."""
     from transformers import GenerationConfig
 
     cache: dict[tuple, list[int]] = {}
 
     def run(ids: list[int], n: int = NEW_TOKENS) -> list[int]:
-        key = (tuple(ids), n)
-        if key not in cache:
+        key = tuple(ids)
+        if key not in cache or len(cache[key]) < n:
             with torch.no_grad():
                 # No EOS: HF runs the full n tokens, as our engine does with ignore_eos=True.
-                config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=[],
-                                          pad_token_id=0)
+                config = GenerationConfig(max_new_tokens=max(n, NEW_TOKENS), do_sample=False,
+                                          eos_token_id=[], pad_token_id=0)
                 out = hf_model.generate(torch.tensor([ids]), generation_config=config,
                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long))
             cache[key] = out[0, len(ids):].tolist()
-        return cache[key]
+        return cache[key][:n]
 
     return run
 
 
-@pytest.fixture(scope="session")
-def llm01():
-    from part01_simple_server import LLM
-
-    return LLM()
+# Engines kept alive at once by `llm_for` (about 0.8 GB each with the 256 MiB pool: weights, pool).
+MAX_CACHED_LLMS = int(os.environ.get("COURSE_TEST_MAX_LLMS", "8"))
 
 
 @pytest.fixture(scope="session")
-def llm02():
-    from part02_streaming import LLM
+def llm_for():
+    """llm_for(part) -> that part's `LLM` on the oracle tier, built on first use and reused for the
+    rest of the session. At most MAX_CACHED_LLMS are kept (least recently used dropped first, and
+    rebuilt if asked for again: a second or two), so memory stays bounded however many parts there
+    are; a dropped engine lives on while a test or fixture still holds it. At session end the kept
+    engines that have a `shutdown()` (worker processes, threads) are shut down."""
+    from collections import OrderedDict
 
-    return LLM()
+    cache: OrderedDict[str, object] = OrderedDict()
+
+    def get(part: str):
+        if part in cache:
+            cache.move_to_end(part)
+        else:
+            while len(cache) >= MAX_CACHED_LLMS:
+                cache.popitem(last=False)
+            cache[part] = build_llm(part)
+        return cache[part]
+
+    yield get
+    for llm in cache.values():
+        shutdown = getattr(llm, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+# Thin aliases, for tests about one part.
+@pytest.fixture(scope="session")
+def llm01(llm_for):
+    return llm_for("part01_simple_server")
+
+
+@pytest.fixture(scope="session")
+def llm02(llm_for):
+    return llm_for("part02_streaming")
+
+
+@pytest.fixture(scope="session")
+def llm03(llm_for):
+    return llm_for("part03_paged_attention")
+
+
+@pytest.fixture(scope="session")
+def llm04(llm_for):
+    return llm_for("part04_continuous_batching")
 
 
 def free_port() -> int:
@@ -131,17 +207,3 @@ def running_server(app):
     finally:
         server.should_exit = True
         thread.join(timeout=15)
-
-
-@pytest.fixture(scope="session")
-def llm03():
-    from part03_paged_attention import LLM
-
-    return LLM(kv_cache_memory_mb=256)
-
-
-@pytest.fixture(scope="session")
-def llm04():
-    from part04_continuous_batching import LLM
-
-    return LLM(kv_cache_memory_mb=256)

@@ -1,16 +1,15 @@
-"""Part 01's offline API against HF transformers on the embedded model: greedy token parity,
-string and chat prompts, KV-cache decode equal to full recompute, seeded sampling, n, stop
-strings and tokens, EOS, logprobs, and request validation."""
+"""Part 01's offline API against HF transformers on the embedded model: KV-cache decode equal to
+full recompute, EOS, seeded sampling, n, logprobs, stop strings and tokens, and request
+validation. Greedy parity on the prompt set and the prompt forms (strings, dicts, chat) are
+tested for every part, this one included, in test_parity.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import CHAT_PROMPTS, NEW_TOKENS, PLAIN_PROMPTS
+from conftest import NEW_TOKENS
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 def hf_chat_ids(hf_tokenizer, text: str) -> list[int]:
@@ -20,69 +19,7 @@ def hf_chat_ids(hf_tokenizer, text: str) -> list[int]:
     return list(ids)
 
 
-@pytest.fixture(scope="module")
-def greedy_outputs(llm01, prompt_token_ids):
-    """Our greedy continuation of the 8 prompts, generated once for the module."""
-    return llm01.generate([list(p) for p in prompt_token_ids], GREEDY)
-
-
-# ------------------------------------------------------------------------------------- parity
-
-@pytest.mark.parametrize("i", range(len(PLAIN_PROMPTS) + len(CHAT_PROMPTS)))
-def test_greedy_matches_hf(greedy_outputs, prompt_token_ids, hf_greedy, llm01, i):
-    out = greedy_outputs[i]
-    ids = prompt_token_ids[i]
-    assert out.prompt_token_ids == ids
-    assert out.finished and len(out.outputs) == 1
-    c = out.outputs[0]
-    assert c.token_ids == hf_greedy(ids, NEW_TOKENS)
-    assert c.finish_reason == "length"
-    assert c.text == llm01.tokenizer.decode(c.token_ids)
-
-
-def test_prompt_sets_are_what_hf_tokenizes(prompt_token_ids, hf_tokenizer):
-    for text, ids in zip(PLAIN_PROMPTS, prompt_token_ids[:4]):
-        assert ids == hf_tokenizer(text).input_ids
-    for text, ids in zip(CHAT_PROMPTS, prompt_token_ids[4:]):
-        assert ids == hf_chat_ids(hf_tokenizer, text)
-
-
-SHORT = 8  # tokens for checks whose reference is a prefix of the memoised 32-token HF run
-
-
-def test_string_prompts(llm01, hf_tokenizer, hf_greedy):
-    params = SamplingParams(temperature=0.0, max_tokens=SHORT, ignore_eos=True)
-    outs = llm01.generate(PLAIN_PROMPTS, params)
-    assert len(outs) == len(PLAIN_PROMPTS)
-    for text, out in zip(PLAIN_PROMPTS, outs):
-        ids = hf_tokenizer(text).input_ids
-        assert out.prompt == text
-        assert out.prompt_token_ids == ids
-        # Greedy is prefix-stable: the first SHORT tokens of HF's 32-token run.
-        assert out.outputs[0].token_ids == hf_greedy(ids, NEW_TOKENS)[:SHORT]
-    # vLLM's TextPrompt / TokensPrompt dicts and a single string are accepted too.
-    few = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    single = llm01.generate(PLAIN_PROMPTS[0], few)
-    as_dict = llm01.generate({"prompt": PLAIN_PROMPTS[0]}, few)
-    as_ids = llm01.generate({"prompt_token_ids": hf_tokenizer(PLAIN_PROMPTS[0]).input_ids}, few)
-    assert len(single) == len(as_dict) == len(as_ids) == 1
-    assert single[0].outputs[0].token_ids == as_dict[0].outputs[0].token_ids \
-        == as_ids[0].outputs[0].token_ids == outs[0].outputs[0].token_ids[:3]
-
-
-def test_chat_equals_generate_on_template(llm01, hf_tokenizer, hf_greedy):
-    conversations = [[{"role": "user", "content": CHAT_PROMPTS[0]}],
-                     [{"role": "user", "content": CHAT_PROMPTS[3]}]]
-    outs = llm01.chat(conversations, SamplingParams(temperature=0.0, max_tokens=SHORT, ignore_eos=True))
-    assert len(outs) == 2
-    for conv, out in zip(conversations, outs):
-        ids = hf_chat_ids(hf_tokenizer, conv[0]["content"])
-        assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == hf_greedy(ids, NEW_TOKENS)[:SHORT]
-    # A single conversation (not wrapped in a list) works the same.
-    one = llm01.chat(conversations[1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    assert one[0].outputs[0].token_ids == outs[1].outputs[0].token_ids[:3]
-
+# ------------------------------------------------------------------------------------- EOS
 
 def test_capital_of_france(llm01, hf_greedy, hf_tokenizer):
     """Sanity that the GGUF conversion gives a working model, and EOS ends a chat answer exactly

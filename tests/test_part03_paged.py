@@ -1,10 +1,11 @@
 """Part 03: the paged engine gives HF's greedy tokens, in static batches of any size, and the
-block pool is whole again after every run."""
+block pool is whole again after every run. (The prompt set as one static batch of 8 is in
+test_parity.py, for every part.)"""
 from __future__ import annotations
 
 import pytest
 
-from conftest import NEW_TOKENS
+from conftest import NEW_TOKENS, build_llm
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 
@@ -16,13 +17,6 @@ def pool_is_full(llm) -> bool:
     return kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
 
 
-def test_batched_greedy_parity_with_hf(llm03, prompt_token_ids, hf_greedy):
-    outs = llm03.generate(prompt_token_ids, GREEDY)  # one static batch of 8
-    for o, ids in zip(outs, prompt_token_ids):
-        assert o.outputs[0].token_ids == hf_greedy(ids)
-    assert pool_is_full(llm03)
-
-
 @pytest.mark.parametrize("length", [15, 16, 17, 32])
 def test_prompt_lengths_around_block_boundaries(llm03, hf_greedy, length):
     ids = [(7 * i + 11) % 5000 + 100 for i in range(length)]  # a deterministic pseudo-text
@@ -32,13 +26,11 @@ def test_prompt_lengths_around_block_boundaries(llm03, hf_greedy, length):
 
 
 def test_tiny_pool_splits_into_several_static_batches(prompt_token_ids, hf_greedy):
-    from part03_paged_attention import LLM
-
     from part03_paged_attention.kv_cache_manager import num_blocks_for_budget
 
     # A block of SmolLM2 holds 16 tokens x 30 layers x K,V x 3 heads x 64 dims x 4 bytes = 720 KiB,
     # so 12 MiB is 17 blocks; each request's worst case (up to ~72 tokens) takes up to 5.
-    small = LLM(kv_cache_memory_mb=12)
+    small = build_llm("part03_paged_attention", kv_cache_memory_mb=12)
     blocks = small.engine.runner.num_blocks
     assert blocks == 17
     batches = []
@@ -88,12 +80,10 @@ def test_n_samples_and_abort_free_blocks(llm03):
 
 
 def test_request_larger_than_pool_is_refused():
-    from part03_paged_attention import LLM
-
-    small = LLM(kv_cache_memory_mb=12)  # 17 blocks: 16 usable, 256 tokens
+    small = build_llm("part03_paged_attention", kv_cache_memory_mb=12)  # 17 blocks: 16 usable
     with pytest.raises(InvalidRequestError) as e:
         small.engine.make_request("hi", SamplingParams(max_tokens=4000))
     assert e.value.param == "max_tokens"
     small.engine.make_request("hi", SamplingParams(max_tokens=200))  # fits: accepted
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
-        LLM(kv_cache_memory_mb=1)  # a budget below two blocks is refused at start-up
+        build_llm("part03_paged_attention", kv_cache_memory_mb=1)  # below two blocks: refused at start-up

@@ -3,6 +3,7 @@ at once, requests join and leave mid-flight, sequences are preempted and recompu
 block leaks."""
 from __future__ import annotations
 
+from conftest import build_llm
 from shared.sampling_params import SamplingParams
 
 
@@ -59,9 +60,8 @@ def test_requests_join_and_leave_mid_flight(llm04, prompt_token_ids, hf_greedy):
 
 
 def test_preempted_requests_finish_with_identical_output(prompt_token_ids, hf_greedy):
-    from part04_continuous_batching import LLM
-
-    small = LLM(kv_cache_memory_mb=8)  # 11 blocks of 16 tokens for 8 requests of up to 72 tokens
+    # 11 blocks of 16 tokens for 8 requests of up to 72 tokens
+    small = build_llm("part04_continuous_batching", kv_cache_memory_mb=8)
     outs = small.generate(prompt_token_ids, greedy(32))
     assert small.engine.scheduler.num_preemptions > 0
     for o, ids in zip(outs, prompt_token_ids):

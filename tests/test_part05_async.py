@@ -22,10 +22,8 @@ def pool_is_full(llm) -> bool:
 
 
 @pytest.fixture(scope="module")
-def llm05():
-    from part05_async_sched import LLM
-
-    return LLM(device="cpu", dtype="float32", kv_cache_memory_mb=256)
+def llm05(llm_for):
+    return llm_for("part05_async_sched")
 
 
 def mixed_workload(prompt_token_ids):
@@ -157,9 +155,9 @@ def test_abort_with_a_step_in_flight(llm05, prompt_token_ids, hf_greedy):
 
 
 def test_preemption_with_a_step_in_flight(prompt_token_ids, hf_greedy):
-    from part05_async_sched import LLM
+    from conftest import build_llm
 
-    small = LLM(device="cpu", dtype="float32", kv_cache_memory_mb=8)  # 11 blocks for 8 requests
+    small = build_llm("part05_async_sched", kv_cache_memory_mb=8)  # 11 blocks for 8 requests
     outs = small.generate(prompt_token_ids, greedy(32))
     assert small.engine.scheduler.num_preemptions > 0
     for o, ids in zip(outs, prompt_token_ids):

@@ -23,10 +23,10 @@ def pool_is_full(llm) -> bool:
 
 @pytest.fixture(scope="module")
 def llm06():
-    from part06_chunked_prefill import LLM
+    from conftest import build_llm
 
     # 16 MiB: 22 blocks of 16 tokens, so 8 prompts of up to ~80 tokens must take turns.
-    return LLM(device="cpu", dtype="float32", kv_cache_memory_mb=16)
+    return build_llm("part06_chunked_prefill", kv_cache_memory_mb=16)
 
 
 @pytest.fixture(scope="module")

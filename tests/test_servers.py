@@ -1,46 +1,74 @@
 """Every server through the official `openai` client and raw HTTP: parity with HF, streaming,
 bad input (OpenAI-shaped 4xx, and the server keeps serving), /health during generation,
-client disconnect aborting generation, and the `python -m partNN.server` entry point."""
+client disconnect aborting generation, and the `python -m partNN.server` entry point.
+
+The full matrix runs once per distinct server implementation: `shared.course.server_groups()`
+groups the parts by byte-identical server.py, and each group's latest part (the most machinery
+under that server code) gets every test here. The other parts of a group get `test_smoke`: their
+engine is proven by the engine tests (test_parity.py and the part's own file), and the same
+server code over it needs only to be shown wired up. Every part gets the entry-point test."""
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from conftest import free_port, running_server
+from conftest import ORACLE, PARTS, free_port, part_number, running_server
+from shared import course
 
 MODEL = "SmolLM2-135M-Instruct"
-PARTS = ["part01_simple_server", "part02_streaming", "part03_paged_attention", "part04_continuous_batching"]
-STREAMING_PARTS = PARTS[1:]
+GROUPS = course.server_groups()
+FULL_PARTS = [g[-1].name for g in GROUPS]              # the whole matrix runs on these
+SMOKE_PARTS = [s.name for g in GROUPS for s in g[:-1]]  # same server.py as a later part
 
 
-def llm_fixture(part: str) -> str:
-    return f"llm{part[4:6]}"  # part03_paged_attention -> llm03 (tests/conftest.py)
+def streams(part: str) -> bool:
+    return part_number(part) >= 2  # SSE streaming from part 02 on; part 01 refuses `stream`
 
 
-@pytest.fixture(scope="module", params=PARTS)
-def server(request):
+def serve(part: str, llm_for):
+    app = importlib.import_module(f"{part}.server").build_app(llm_for(part), MODEL)
+    return app, running_server(app)
+
+
+def pytest_generate_tests(metafunc):
+    """Tests that take `server` run on every FULL_PARTS part, tests that take `streaming_server` on
+    those that stream. Both come from the one module-scoped `served` fixture, so a part has one
+    running server (one AsyncLLM driving its engine) at a time, shared by both kinds of test."""
+    if "served" in metafunc.fixturenames:
+        parts = [p for p in FULL_PARTS if streams(p)] if "streaming_server" in metafunc.fixturenames \
+            else FULL_PARTS
+        metafunc.parametrize("served", parts, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def served(request, llm_for):
     part = request.param
-    llm = request.getfixturevalue(llm_fixture(part))
-    app = importlib.import_module(f"{part}.server").build_app(llm, MODEL)
-    with running_server(app) as url:
+    app, running = serve(part, llm_for)
+    with running as url:
         yield part, url, app
 
 
-@pytest.fixture(scope="module", params=STREAMING_PARTS)
-def streaming_server(request):
-    llm = request.getfixturevalue(llm_fixture(request.param))
-    app = importlib.import_module(f"{request.param}.server").build_app(llm, MODEL)
-    with running_server(app) as url:
-        yield url, app
+@pytest.fixture
+def server(served):
+    return served  # (part, url, app)
+
+
+@pytest.fixture
+def streaming_server(served):
+    _, url, app = served
+    return url, app
 
 
 def client(url: str) -> openai.OpenAI:
@@ -56,10 +84,19 @@ def test_models_and_health(server):
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
 
 
+def concurrently(fn, items):
+    """fn over items, all requests in flight at once (a server that batches runs them together;
+    one that does not queues them), results in order."""
+    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
 def test_completions_match_hf(server, prompt_token_ids, hf_greedy, hf_tokenizer):
     _, url, _ = server
-    for ids in prompt_token_ids:
-        resp = client(url).completions.create(model=MODEL, prompt=ids, **GREEDY)
+    c = client(url)
+    responses = concurrently(lambda ids: c.completions.create(model=MODEL, prompt=ids, **GREEDY),
+                             prompt_token_ids)
+    for ids, resp in zip(prompt_token_ids, responses):
         assert resp.choices[0].text == hf_tokenizer.decode(hf_greedy(ids), skip_special_tokens=True)
         assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 32
         assert resp.choices[0].finish_reason == "length"
@@ -69,9 +106,10 @@ def test_chat_matches_hf(server, prompt_token_ids, hf_greedy, hf_tokenizer):
     from conftest import CHAT_PROMPTS
 
     _, url, _ = server
-    for text, ids in zip(CHAT_PROMPTS, prompt_token_ids[4:]):
-        resp = client(url).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": text}], **GREEDY)
+    c = client(url)
+    responses = concurrently(lambda text: c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], **GREEDY), CHAT_PROMPTS)
+    for ids, resp in zip(prompt_token_ids[4:], responses):
         assert resp.choices[0].message.content == hf_tokenizer.decode(hf_greedy(ids), skip_special_tokens=True)
         assert resp.usage.prompt_tokens == len(ids)
 
@@ -116,12 +154,33 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400,
      "temperature"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    # OpenAI fields we cannot honour are refused, never silently ignored.
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, 400,
+     "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "function_call": "auto"}, 400,
+     "function_call"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"not-a-token": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"42": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(10**9): 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1.5": 1}}, 400,
+     "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": None},
+                                           {"role": "user", "content": "hi"}]}, 400, "messages"),
 ]
 
 
-@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
-def test_bad_input_gets_openai_error(server, path, body, status, param):
-    _, url, _ = server
+def check_openai_error(url, path, body, status, param):
+    """The request gets `status` with an OpenAI-shaped error naming `param`, and the server still
+    serves afterwards."""
     body = {"model": MODEL, **body}
     r = httpx.post(f"{url}{path}", json=body, timeout=60)
     assert r.status_code == status, r.text
@@ -133,6 +192,12 @@ def test_bad_input_gets_openai_error(server, path, body, status, param):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
 
 
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_input_gets_openai_error(server, path, body, status, param):
+    _, url, _ = server
+    check_openai_error(url, path, body, status, param)
+
+
 def test_malformed_json(server):
     _, url, _ = server
     r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi",', timeout=30,
@@ -142,12 +207,36 @@ def test_malformed_json(server):
         client(url).completions.create(model=MODEL, prompt="hi", max_tokens=-1)
 
 
-def test_part01_refuses_streaming(llm01):
-    app = importlib.import_module("part01_simple_server.server").build_app(llm01, MODEL)
-    with running_server(app) as url:
+@pytest.mark.parametrize("part", [p for p in PARTS if not streams(p)])
+def test_non_streaming_part_refuses_stream(part, llm_for):
+    _, running = serve(part, llm_for)
+    with running as url:
         with pytest.raises(openai.BadRequestError) as e:
             client(url).completions.create(model=MODEL, prompt="hi", stream=True)
         assert e.value.body["param"] == "stream"
+
+
+# ---- the other parts of a group: the same server.py, wired to this part's engine -------
+
+@pytest.mark.parametrize("part", SMOKE_PARTS)
+def test_smoke(part, llm_for, prompt_token_ids, hf_greedy, hf_tokenizer):
+    """/v1/models and /health; one greedy completion equal to HF's; the same completion streamed
+    (parts that stream); one bad request gets the OpenAI-shaped 400."""
+    _, running = serve(part, llm_for)
+    with running as url:
+        c = client(url)
+        assert [m.id for m in c.models.list().data] == [MODEL]
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        ids = prompt_token_ids[4]
+        resp = c.completions.create(model=MODEL, prompt=ids, **GREEDY)
+        assert resp.choices[0].text == hf_tokenizer.decode(hf_greedy(ids), skip_special_tokens=True)
+        assert resp.usage.completion_tokens == 32 and resp.choices[0].finish_reason == "length"
+        if streams(part):
+            chunks = [ch for ch in c.completions.create(model=MODEL, prompt=ids, stream=True, **GREEDY)
+                      if ch.choices]
+            assert "".join(ch.choices[0].text for ch in chunks) == resp.choices[0].text
+            assert len(chunks) > 5  # really token by token
+        check_openai_error(url, *BAD_REQUESTS[0])
 
 
 # ---- streaming (part 02 on) -----------------------------------------------------------
@@ -155,10 +244,12 @@ def test_part01_refuses_streaming(llm01):
 def test_streamed_completion_equals_non_streamed(streaming_server, prompt_token_ids):
     url, _ = streaming_server
     c = client(url)
-    for ids in prompt_token_ids[:4]:
-        whole = c.completions.create(model=MODEL, prompt=ids, **GREEDY).choices[0].text
-        chunks = list(c.completions.create(model=MODEL, prompt=ids, stream=True,
-                                           stream_options={"include_usage": True}, **GREEDY))
+    prompts = prompt_token_ids[:4]
+    wholes = concurrently(lambda ids: c.completions.create(model=MODEL, prompt=ids, **GREEDY).choices[0].text,
+                          prompts)
+    streamed = concurrently(lambda ids: list(c.completions.create(
+        model=MODEL, prompt=ids, stream=True, stream_options={"include_usage": True}, **GREEDY)), prompts)
+    for whole, chunks in zip(wholes, streamed):
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole
         assert len([ch for ch in chunks if ch.choices]) > 5  # really token by token
         assert chunks[-1].usage.completion_tokens == 32 and not chunks[-1].choices
@@ -193,29 +284,42 @@ def test_raw_sse_ends_with_done(streaming_server):
     assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
 
 
-def _long_stream(url: str, max_tokens: int, seen: list, stop_after: int | None = None) -> None:
+def _long_stream(url: str, max_tokens: int, seen: list, stop_after: int | None = None,
+                 stop: threading.Event | None = None) -> None:
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 seen.append(time.monotonic())
-                if stop_after is not None and len(seen) >= stop_after:
+                if (stop_after is not None and len(seen) >= stop_after) or (stop and stop.is_set()):
                     return  # leaving the block closes the connection: a client disconnect
 
 
+def _wait_idle(async_llm, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while async_llm.num_unfinished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert async_llm.num_unfinished == 0
+
+
 def test_health_answers_during_long_generation(streaming_server):
-    url, _ = streaming_server
+    url, app = streaming_server
     seen: list = []
-    t = threading.Thread(target=_long_stream, args=(url, 200, seen))
+    done = threading.Event()
+    t = threading.Thread(target=_long_stream, args=(url, 200, seen, None, done), daemon=True)
     t.start()
-    while len(seen) < 3:
+    deadline = time.monotonic() + 60
+    while len(seen) < 3:  # a server that never streams fails here instead of hanging the suite
+        assert t.is_alive() and time.monotonic() < deadline, f"no stream: {len(seen)} chunks"
         time.sleep(0.01)
     start = time.monotonic()
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
     latency = time.monotonic() - start
     still_generating = t.is_alive()
-    t.join()
+    done.set()  # the client goes away; the rest of the 200 tokens are not worth waiting for
+    t.join(timeout=120)
+    _wait_idle(app.state.async_llm)  # its abort is through before the next test counts aborts
     assert still_generating and latency < 1.0
 
 
@@ -236,12 +340,18 @@ def test_disconnect_aborts_generation(streaming_server):
 
 
 @pytest.mark.parametrize("part", PARTS)
-def test_module_entry_point(part):
-    """`python -m partNN.server` really starts and serves (subprocess, real CLI)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", f"{part}.server", "--port", str(port)],
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def test_module_entry_point(part, tmp_path):
+    """`python -m partNN.server` really starts and serves (subprocess, real CLI, the oracle tier and
+    a small KV pool: the model load is most of its cost). The process, and anything it started,
+    is always ended, whatever happens here."""
+    root, port = Path(__file__).resolve().parent.parent, free_port()
+    cmd = [sys.executable, "-m", f"{part}.server", "--port", str(port),
+           "--device", ORACLE["device"], "--dtype", ORACLE["dtype"]]
+    if part_number(part) >= 3:
+        cmd += ["--kv-cache-memory-mb", "32"]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:  # a file, not a pipe: a chatty server never blocks on it
+        proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
         while True:
@@ -250,15 +360,32 @@ def test_module_entry_point(part):
                     break
             except httpx.HTTPError:
                 pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.25)
+            assert proc.poll() is None, f"exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server did not come up:\n{log_path.read_text()[-3000:]}"
+            time.sleep(0.1)
         resp = client(url).completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3,
                                               temperature=0)
         assert resp.choices[0].text.strip().startswith("Paris")
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        _end_process_group(proc)
+
+
+def _end_process_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's own process group (it was started in a new session, so the group is
+    exactly it and its children), SIGKILL if it is not gone within 10 s."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    if proc.poll() is None:  # a leader that escaped its group (it cannot, but never leave it running)
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def test_non_streaming_disconnect_aborts_too(streaming_server):
