@@ -101,12 +101,14 @@ class Scheduler:
         kv = self.kv_cache_manager
 
         # 1. Running sequences, oldest first: the decodes, then the partly prefilled ones.
-        queue = ([s for s in self.running if not self.is_prefilling(s)]
-                 + [s for s in self.running if self.is_prefilling(s)])
+        decodes, prefills = [], []
+        for s in self.running:
+            (prefills if self.is_prefilling(s) else decodes).append(s)
         taken: set[str] = set()  # scheduled in this step: never a preemption victim
-        for seq in queue:
-            if seq not in self.running or self._reaches_its_end(seq):
-                continue  # preempted earlier in this loop, or done once its last token lands
+        gone: set[str] = set()  # preempted earlier in this loop
+        for seq in decodes + prefills:
+            if seq.seq_id in gone or self._reaches_its_end(seq):
+                continue  # preempted already, or done once its last token lands
             num_new = self._chunk(seq, budget)
             if num_new == 0:
                 if budget == 0:
@@ -116,6 +118,7 @@ class Scheduler:
                 # The newest running sequence not yet in this step (`seq` itself at worst).
                 victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
                 self.running.remove(victim)
+                gone.add(victim.seq_id)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:

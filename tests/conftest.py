@@ -207,3 +207,17 @@ def running_server(app):
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+def greedy(n: int, **kw):
+    """Greedy sampling of exactly n tokens (no EOS): the parity tests' parameters."""
+    from shared.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def pool_is_full(llm) -> bool:
+    """Every usable KV block is back in the pool and no request holds any: nothing leaked."""
+    kv = llm.engine.kv_cache_manager
+    return kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
+

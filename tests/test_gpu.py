@@ -27,6 +27,7 @@ import torch
 from shared.course import stages
 from shared.sampling_params import SamplingParams
 from test_paged_kernels import Case, make_batch, max_err_vs_dense
+from conftest import greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -46,10 +47,6 @@ def release(llm) -> None:
         shutdown()
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
 # ---- (a) bf16 against the fp32 CPU oracle ------------------------------------------------

@@ -16,6 +16,7 @@ from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import TOKENIZER_FILES
 from shared.weights import load_model, resolve_model_path
+from conftest import greedy
 
 PARTS = [s.name for s in stages()]
 VOCAB = 49152  # the embedded SmolLM2's, so its tokenizer fits the same config
@@ -50,10 +51,6 @@ def dummy_llm(part: str, folder, **kw):
         kw.setdefault("kv_cache_memory_mb", 4)  # the paged parts: a small pool for a small model
     return importlib.import_module(part).LLM(model=str(folder), load_format="dummy", device="cpu",
                                              dtype="float32", **kw)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 @pytest.mark.parametrize("part", PARTS)

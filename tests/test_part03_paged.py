@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import NEW_TOKENS, build_llm
+from conftest import NEW_TOKENS, build_llm, pool_is_full
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-def pool_is_full(llm) -> bool:
-    kv = llm.engine.kv_cache_manager
-    return kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
 
 
 @pytest.mark.parametrize("length", [15, 16, 17, 32])

@@ -3,17 +3,8 @@ at once, requests join and leave mid-flight, sequences are preempted and recompu
 block leaks."""
 from __future__ import annotations
 
-from conftest import build_llm
+from conftest import build_llm, greedy, pool_is_full
 from shared.sampling_params import SamplingParams
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def pool_is_full(llm) -> bool:
-    kv = llm.engine.kv_cache_manager
-    return kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
 
 
 def workload(prompt_token_ids):

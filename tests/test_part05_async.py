@@ -9,16 +9,8 @@ import threading
 
 import pytest
 
+from conftest import greedy, pool_is_full
 from shared.sampling_params import SamplingParams
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
-
-
-def pool_is_full(llm) -> bool:
-    kv = llm.engine.kv_cache_manager
-    return kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
 
 
 @pytest.fixture(scope="module")

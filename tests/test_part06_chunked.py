@@ -7,18 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import greedy, pool_is_full
 from shared.sampling_params import SamplingParams
 
 BUDGETS = [(7, 4), (16, 8), (40, 8)]  # (max_num_batched_tokens, max_num_seqs)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def pool_is_full(llm) -> bool:
-    kv = llm.engine.kv_cache_manager
-    return kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
 
 
 @pytest.fixture(scope="module")
