@@ -57,6 +57,9 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Isolates this request's prefix-cache blocks from requests with another salt (from part 07;
+    # without a prefix cache nothing is shared, so earlier parts have nothing to isolate).
+    cache_salt: str | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:

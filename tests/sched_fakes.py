@@ -16,7 +16,7 @@ class State:
 
 
 def make_seq(sequence_cls, name: str, prompt_len: int, max_tokens: int | None = 100):
-    request = SimpleNamespace(params=SamplingParams(max_tokens=max_tokens))
+    request = SimpleNamespace(params=SamplingParams(max_tokens=max_tokens), cache_salt=None)
     return sequence_cls(name, request=request, state=State(), token_ids=list(range(prompt_len)))
 
 
