@@ -2,7 +2,7 @@
 # `make notebooks` re-executes the notebooks in full mode and saves them with their outputs
 # (ARGS="03 04" picks some).
 PYTHON ?= python3
-LATEST ?= part06_chunked_prefill
+LATEST ?= part08_specdec
 ARGS ?=
 
 .PHONY: setup serve test notebooks

@@ -134,6 +134,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 
 class Sampler:
+    """The pipeline in reusable steps: `process_logits` (bans, logit_bias, penalties: what greedy
+    decoding sees), `probs` (temperature and the masks: the distribution sampling draws from) and
+    `exponential_noise` (the race's Exp(1) draws, seeded rows from their own generator).
+    Speculative decoding's rejection sampler calls the same steps, so the p it verifies drafts
+    against is exactly the p plain sampling would draw from."""
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).to_output()
 
@@ -142,16 +148,7 @@ class Sampler:
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_logprobs) else None
 
-        if any(r.banned_token_ids for r in rows):
-            logits = logits.clone()
-            for i, r in enumerate(rows):
-                if r.banned_token_ids:
-                    logits[i, list(r.banned_token_ids)] = float("-inf")
-        if any(r.params.logit_bias for r in rows):
-            logits = apply_logit_bias(logits, rows)
-        if any(r.params.has_penalties for r in rows):
-            logits = apply_penalties(logits, rows)
-
+        logits = self.process_logits(logits, rows)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
@@ -161,7 +158,27 @@ class Sampler:
         return self._gather_logprobs(raw_logprobs, tokens, want_logprobs)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """float32, then banned tokens (min_tokens) -> logit_bias -> penalties: what every row
+        sees, greedy or not (greedy rows take the argmax of this). May return `logits` itself
+        when no row changes anything: callers must not write into the result."""
+        logits = logits.float()
+        if any(r.banned_token_ids for r in rows):
+            logits = logits.clone()
+            for i, r in enumerate(rows):
+                if r.banned_token_ids:
+                    logits[i, list(r.banned_token_ids)] = float("-inf")
+        if any(r.params.logit_bias for r in rows):
+            logits = apply_logit_bias(logits, rows)
+        if any(r.params.has_penalties for r in rows):
+            logits = apply_penalties(logits, rows)
+        return logits
+
+    @staticmethod
+    def probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Processed logits of non-greedy rows -> temperature -> top-k / top-p / min-p -> softmax:
+        the distribution each row samples from (temperature 0 would divide by zero: greedy rows
+        take the argmax of `process_logits` instead)."""
         dev = logits.device
         temp = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
         logits = logits / temp
@@ -171,14 +188,27 @@ class Sampler:
                 torch.tensor([r.params.top_k for r in rows], device=dev, dtype=torch.long),
                 torch.tensor([r.params.top_p for r in rows], device=dev),
                 torch.tensor([r.params.min_p for r in rows], device=dev))
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        return logits.softmax(dim=-1)
+
+    @staticmethod
+    def exponential_noise(like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exp(1) noise shaped like `like`, one row per generator: the unseeded rows in one draw
+        from the global RNG, then each seeded row from its own generator, so a seeded row's noise
+        is the same whatever else is in the batch."""
+        noise = torch.empty_like(like)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+            noise[unseeded] = torch.empty(len(unseeded), like.shape[1], device=like.device).exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return noise
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        probs = Sampler.probs(logits, rows)
+        # The exponential race: argmax p_i / E_i with E_i ~ Exp(1) is token i with probability p_i.
+        noise = Sampler.exponential_noise(probs, [r.generator for r in rows])
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod

@@ -221,3 +221,11 @@ def pool_is_full(llm) -> bool:
     kv = llm.engine.kv_cache_manager
     return kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
 
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness-of-fit of observed counts against probabilities; the chi-square
+    survival function is the regularised upper incomplete gamma function Q(df / 2, x / 2)."""
+    counts, expected = counts.double(), probs.double() * counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    return torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2, dtype=torch.float64), stat / 2).item()
