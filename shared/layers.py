@@ -1,5 +1,6 @@
-"""Building blocks of the decoder. Every linear layer is built here, so that tensor-parallel and
-quantized layers (later parts) can replace them without touching the model definition."""
+"""Building blocks of the decoder. The model builds its projections, embedding and head through a
+`LayerFactory` (model.py), so tensor-parallel, expert and quantized layers (later parts) can
+replace them without touching the model definition."""
 from __future__ import annotations
 
 import math
@@ -65,6 +66,7 @@ class QKVLinear(MergedLinear):
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden_size, sizes, bias, shard_names=["q", "k", "v"])
         self.output_sizes = sizes
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
 
 
 class VocabEmbedding(nn.Module):

@@ -1,7 +1,9 @@
 """One Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM, TinyLlama).
 
 Inputs are flattened: `input_ids` and `positions` are 1-D over every token of the step, with no
-batch dimension and no padding. Attention is delegated to the backend in the forward context."""
+batch dimension and no padding. Attention is delegated to the backend in the forward context.
+Every layer that a later part replaces is built through one `LayerFactory` (the default builds
+them dense, as part 01 needs)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -15,16 +17,47 @@ from .layers import (LMHead, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmb
                      SiluAndMul, VocabEmbedding, default_weight_loader)
 
 
+class LayerFactory:
+    """The one seam through which the model builds the layers that later parts replace: its
+    projections, its MLP block, its embedding and its head. This default builds them dense. A part
+    that shards them across processes (09, tensor parallelism), routes tokens to experts (11) or
+    quantizes the weights (14) hands the model a subclass from its own folder, and this file stays
+    as it is. (vLLM reaches the same end with parallel-aware layer classes and a `quant_method` on
+    every linear layer.)"""
+
+    def qkv_proj(self, cfg: ModelConfig) -> QKVLinear:
+        return QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                         bias=cfg.qkv_bias)
+
+    def o_proj(self, cfg: ModelConfig) -> Linear:
+        return Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+
+    def gate_up_proj(self, cfg: ModelConfig) -> MergedLinear:
+        return MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
+
+    def down_proj(self, cfg: ModelConfig) -> Linear:
+        return Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        return LlamaMLP(cfg, self)
+
+    def embed_tokens(self, cfg: ModelConfig) -> VocabEmbedding:
+        return VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+
+    def lm_head(self, cfg: ModelConfig) -> LMHead:
+        return LMHead(cfg.hidden_size, cfg.vocab_size)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, layers: LayerFactory):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.qkv_proj = layers.qkv_proj(cfg)
+        # The heads this module computes: all of them, or a shard's (part 09).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, self.num_heads, self.num_kv_heads,
-                                  bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = layers.o_proj(cfg)
         self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -40,23 +73,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory):
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
+        self.gate_up_proj = layers.gate_up_proj(cfg)
         self.act = SiluAndMul()
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = layers.down_proj(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, layers: LayerFactory):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, layers)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = layers.mlp(cfg, layer_idx)
 
     def forward(self, positions, x, residual):
         if residual is None:
@@ -74,15 +107,16 @@ class LlamaForCausalLM(nn.Module):
                       ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
                       ("gate_up_proj", "up_proj", 1)]
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, layers: LayerFactory | None = None):
         super().__init__()
         self.config = cfg
+        layers = layers or LayerFactory()
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                  cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = layers.embed_tokens(cfg)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, layers) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = layers.lm_head(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

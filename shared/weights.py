@@ -10,7 +10,7 @@ import torch
 
 from .config import ModelConfig
 from .gguf_convert import EMBEDDED_NAME, embedded_model_path
-from .model import LlamaForCausalLM
+from .model import LayerFactory, LlamaForCausalLM
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
@@ -86,13 +86,15 @@ def initialize_dummy_weights(model: torch.nn.Module, low: float = -1e-3, high: f
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype,
-               max_positions: int | None = None, load_format: str = "auto") -> LlamaForCausalLM:
-    """load_format "auto": the checkpoint in `path`; "dummy": random weights, only config.json read."""
+               max_positions: int | None = None, load_format: str = "auto",
+               layers: LayerFactory | None = None) -> LlamaForCausalLM:
+    """load_format "auto": the checkpoint in `path`; "dummy": random weights, only config.json read.
+    `layers`: the model's LayerFactory (default: dense layers)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     cfg = load_config(path)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions=max_positions)
+        model = LlamaForCausalLM(cfg, max_positions=max_positions, layers=layers)
     model.to(dtype)
     if load_format == "dummy":
         initialize_dummy_weights(model)
