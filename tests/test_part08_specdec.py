@@ -236,7 +236,9 @@ def test_greedy_with_a_separate_draft_checkpoint_equals_hf(tiny, draft_spec_llm)
     model = AutoModelForCausalLM.from_pretrained(tiny["target"], dtype=torch.float32).eval()
     prompts = [[1, 2, 3, 4, 5], [3, 3, 3], [6, 5, 4, 3, 2, 1, 0, 1, 2]]
     with torch.no_grad():
-        want = [model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=[],
+        # An explicit mask: without it HF would mask the prompt's token 0 as padding.
+        want = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=20, do_sample=False, eos_token_id=[],
                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     stats = draft_spec_llm.engine.spec_decoding_stats
     accepted = stats.num_accepted_tokens
