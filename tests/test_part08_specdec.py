@@ -9,12 +9,14 @@ first tokens sampled with a draft model follow the target's exact distribution (
 from __future__ import annotations
 
 import itertools
+import json
 
+import httpx
 import pytest
 import torch
 
 import part08_specdec.rejection_sampler as rs_module
-from conftest import chi2_pvalue, greedy, pool_is_full
+from conftest import chi2_pvalue, greedy, pool_is_full, running_server
 from shared.sampling_params import SamplingParams
 
 PART = "part08_specdec"
@@ -312,3 +314,27 @@ def test_the_same_test_rejects_a_wrong_residual(tiny, draft_spec_llm, monkeypatc
     pvalue = fit_pvalue(sampled_joint(draft_spec_llm), exact)
     print(f"p-value {pvalue:.3g}")
     assert pvalue < 1e-6
+
+
+def test_server_with_speculation_streams_what_plain_decoding_returns(spec_llms, prompts, hf_greedy):
+    """The part's server over an engine that speculates: non-streamed and streamed completions
+    (several tokens per step reach the stream as one delta) equal HF's greedy tokens."""
+    from part08_specdec.server import build_app
+
+    llm = spec_llms["ngram"]
+    set_k(llm, 4)
+    want = hf_greedy(prompts[0], 24)
+    with running_server(build_app(llm, "m")) as url:
+        body = {"prompt": prompts[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200
+        num_logprobs = len(r.json()["choices"][0]["logprobs"]["tokens"])
+        text = r.json()["choices"][0]["text"]
+        assert text == llm.tokenizer.decode(want)
+        chunks = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:])["choices"][0]["text"])
+        assert "".join(chunks) == text and len(chunks) < 24  # accepted runs arrive together
+    assert num_logprobs == 24 and at_rest(llm)

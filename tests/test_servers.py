@@ -296,15 +296,21 @@ def _long_stream(url: str, max_tokens: int, seen: list, stop_after: int | None =
                     return  # leaving the block closes the connection: a client disconnect
 
 
-def _wait_idle(async_llm, timeout: float = 30) -> None:
+def _wait_idle(async_llm, num_aborted: int | None = None, timeout: float = 30) -> None:
+    """Until no request is unfinished and, when given, the abort counter has reached num_aborted:
+    a handler lets go of an aborted request (num_unfinished) before the engine thread drops it
+    and counts the abort, so the first alone does not mean the second has happened."""
     deadline = time.monotonic() + timeout
-    while async_llm.num_unfinished and time.monotonic() < deadline:
+    while (async_llm.num_unfinished or (num_aborted is not None and async_llm.num_aborted < num_aborted)) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
     assert async_llm.num_unfinished == 0
+    assert num_aborted is None or async_llm.num_aborted == num_aborted
 
 
 def test_health_answers_during_long_generation(streaming_server):
     url, app = streaming_server
+    aborted_before = app.state.async_llm.num_aborted
     seen: list = []
     done = threading.Event()
     t = threading.Thread(target=_long_stream, args=(url, 200, seen, None, done), daemon=True)
@@ -319,7 +325,7 @@ def test_health_answers_during_long_generation(streaming_server):
     still_generating = t.is_alive()
     done.set()  # the client goes away; the rest of the 200 tokens are not worth waiting for
     t.join(timeout=120)
-    _wait_idle(app.state.async_llm)  # its abort is through before the next test counts aborts
+    _wait_idle(app.state.async_llm, aborted_before + 1)  # its abort is counted before the next test counts
     assert still_generating and latency < 1.0
 
 
