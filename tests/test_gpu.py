@@ -13,6 +13,8 @@
     block sizes 16 and 32. Every distinct triton_kernels.py among the parts is tested.
 (c) Continuous batching in fp32 on CUDA (TF32 off, so fp32 means fp32) for every part from 04
     on: 16 concurrent requests equal HF's greedy exactly, and every KV block is back afterwards.
+(d) Speculative decoding (part 08 on) in fp32 on CUDA: n-gram and draft-model verification through
+    the Triton kernels equals HF's greedy, with drafts accepted and no block leaked.
 
 Parts are discovered with shared.course.stages(), so a new part is in this tier at once."""
 from __future__ import annotations
@@ -190,5 +192,31 @@ def test_sixteen_concurrent_requests_fp32_cuda_match_hf(part, no_tf32, prompt_to
             assert o.outputs[0].token_ids == hf_greedy(p, n)
         kv = engine.kv_cache_manager
         assert kv.num_free_blocks == engine.runner.num_blocks - 1 and not kv.req_to_blocks
+    finally:
+        release(llm)
+
+
+# ---- (d) speculative decoding on CUDA -----------------------------------------------------
+
+SPEC_PARTS = [s.name for s in STAGES if s.number >= 8]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("part", SPEC_PARTS)
+def test_speculation_on_cuda_fp32_matches_hf(part, method, no_tf32, prompt_token_ids, hf_greedy):
+    """Verification through the Triton kernels (q_len = k + 1 per sequence) and, for the draft
+    model, its own paged cache on the target's block tables: greedy output equals HF in fp32
+    (TF32 off), drafts were accepted, and every KV block is back afterwards."""
+    llm = importlib.import_module(part).LLM(device="cuda", dtype="float32", speculative_method=method,
+                                            num_speculative_tokens=4, speculative_draft_layers=30)
+    try:
+        prompts = [(prompt_token_ids[0] + prompt_token_ids[1]) * 3, *prompt_token_ids]
+        outs = llm.generate(prompts, greedy(24))
+        torch.cuda.synchronize()
+        for o, p in zip(outs, prompts):
+            assert o.outputs[0].token_ids == hf_greedy(p, 24)
+        assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
+        kv = llm.engine.kv_cache_manager
+        assert kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
     finally:
         release(llm)
