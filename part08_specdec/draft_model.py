@@ -54,8 +54,6 @@ class LayerTruncatedDraft(nn.Module):
 
 
 class DraftModelProposer:
-    on_device = True
-
     def __init__(self, target: LlamaForCausalLM, num_speculative_tokens: int, max_model_len: int,
                  num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  model: str | None = None, num_layers: int = 8, load_format: str = "auto",

@@ -58,16 +58,15 @@ class SequenceBatchEntry:
         return len(self.token_ids) + (self.prev_row is not None) + len(self.draft_token_ids)
 
 
-def position_rows(row: SamplingRow, drafts: list[int], min_tokens_left: int) -> list[SamplingRow]:
-    """The sampling row of each of the k + 1 positions a step verifies: position j has drafts[:j]
-    as generated output (penalties count them) and bans EOS only while min_tokens is not reached.
-    These are exactly the rows plain decoding would use at those positions."""
-    rows = [row]
-    for j in range(1, len(drafts) + 1):
-        history = row.output_token_ids + drafts[:j] if row.params.has_penalties else row.output_token_ids
-        banned = row.banned_token_ids if j < min_tokens_left else ()
-        rows.append(dataclasses.replace(row, output_token_ids=history, banned_token_ids=banned))
-    return rows
+def position_row(row: SamplingRow, drafts: list[int], j: int, min_tokens_left: int) -> SamplingRow:
+    """The sampling row of position j of a verifying step (row: position 0's): drafts[:j] count as
+    generated output (for penalties), and EOS stays banned only while min_tokens is not reached.
+    Exactly the row plain decoding would use there."""
+    if j == 0:
+        return row
+    history = row.output_token_ids + drafts[:j] if row.params.has_penalties else row.output_token_ids
+    banned = row.banned_token_ids if j < min_tokens_left else ()
+    return dataclasses.replace(row, output_token_ids=history, banned_token_ids=banned)
 
 
 @dataclass
@@ -87,7 +86,7 @@ class SpecInput:
     meta: SpecDecodeMetadata  # per sampling sequence: its drafts (0s until the draft model fills them)
     rows: list[SamplingRow]  # per sampling sequence: its row at the first position
     min_tokens_left: list[int]
-    draft_slots: torch.Tensor | None  # rows of input_ids that hold drafts, sequence-major
+    draft_slots: torch.Tensor  # rows of input_ids that hold drafts, sequence-major
     draft_passes: list[DraftPass] | None  # the draft model's passes; None: drafts known already
 
 
@@ -211,7 +210,7 @@ class ModelRunner:
         return passes
 
     @torch.inference_mode()
-    def execute_model(self, inp: ModelInput) -> SampledBatch:
+    def execute_model(self, inp: ModelInput) -> SampledBatch | RejectionOutput:
         """The device half: fill in the previous step's tokens, run the model, sample. The
         sampled ids stay on the device (the next step reads them there)."""
         start = time.perf_counter()
@@ -224,8 +223,9 @@ class ModelRunner:
         if inp.spec is not None and inp.rows:  # verify: 1..k+1 tokens per sequence
             spec = inp.spec
             logits = self.model.compute_logits(hidden[inp.logits_indices])
-            rows = [r for row, drafts, left in zip(spec.rows, spec.meta.draft_token_ids, spec.min_tokens_left)
-                    for r in position_rows(row, drafts, left)]
+            rows = [position_row(row, drafts, j, left)
+                    for row, drafts, left in zip(spec.rows, spec.meta.draft_token_ids, spec.min_tokens_left)
+                    for j in range(len(drafts) + 1)]
             sampled = self.rejection_sampler(logits, rows, spec.meta, draft_probs)
         elif inp.rows:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
@@ -251,7 +251,7 @@ class ModelRunner:
             if not p.seqs:
                 break
             logits = drafter.model.compute_logits(hidden[p.logits_indices])
-            rows = [position_rows(spec.rows[i], drafts[i], spec.min_tokens_left[i])[len(drafts[i])] for i in p.seqs]
+            rows = [position_row(spec.rows[i], drafts[i], len(drafts[i]), spec.min_tokens_left[i]) for i in p.seqs]
             prev, q = sample_drafts(logits, rows)
             # The host needs the ids (penalty rows, the rejection sampler's bookkeeping): on a GPU
             # this is one small sync per pass.

@@ -17,8 +17,6 @@ import numpy as np
 
 
 class NgramProposer:
-    on_device = False  # its drafts are final on the host (draft_model.py's proposer fills them in later)
-
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int,
                  max_model_len: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:

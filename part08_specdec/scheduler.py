@@ -161,13 +161,11 @@ class Scheduler:
         # reaches the host. A chunk that stops short of the end samples nothing.
         for seq, num_new in out.scheduled:
             seq.num_computed_tokens += num_new
-            spec = list(seq.spec_token_ids)
+            spec, seq.spec_token_ids = seq.spec_token_ids, []  # the step takes them
             samples = seq.num_computed_tokens == seq.num_tokens + seq.num_output_placeholders + len(spec)
             seq.num_output_placeholders += samples
             out.samples.append(samples)
             out.spec_token_ids.append(spec)
-        for seq in self.running:
-            seq.spec_token_ids = []  # proposed afresh before the next schedule
         return out
 
     def update_from_output(self, seq: Sequence, num_rejected: int = 0) -> bool:

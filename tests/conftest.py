@@ -229,3 +229,21 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     counts, expected = counts.double(), probs.double() * counts.sum()
     stat = ((counts - expected) ** 2 / expected).sum()
     return torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2, dtype=torch.float64), stat / 2).item()
+
+
+def save_tiny(path, config, seed: int = 0, scale: float = 0.1, **save_kwargs):
+    """save_pretrained of a tiny randomly initialised HF model. Every parameter is random (HF
+    initialises biases to zero and norms to one, which would hide one we fail to load): weights
+    with std `scale` (0.1 keeps logits O(1); larger makes next-token distributions peakier),
+    norms 1 +- 0.2."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * (scale if "norm" not in name else 0.2)
+            p.copy_(noise + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path, **save_kwargs)
+    return path

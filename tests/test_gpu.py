@@ -27,7 +27,6 @@ import pytest
 import torch
 
 from shared.course import stages
-from shared.sampling_params import SamplingParams
 from test_paged_kernels import Case, make_batch, max_err_vs_dense
 from conftest import greedy
 

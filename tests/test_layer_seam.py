@@ -6,6 +6,7 @@ used); the default factory is what every part so far runs (tests/test_parity.py)
 from __future__ import annotations
 
 import torch
+from conftest import save_tiny
 from shared.layers import Linear, QKVLinear
 from shared.model import LayerFactory
 from shared.weights import load_config, load_model
@@ -14,14 +15,11 @@ CPU = torch.device("cpu")
 
 
 def tiny_checkpoint(path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_tiny(path, LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                       tie_word_embeddings=False))
 
 
 class Recording(LayerFactory):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import save_tiny
 from shared.attention import NoCacheAttention
 from shared.forward_context import set_forward_context
 from shared.weights import load_config, load_model, resolve_model_path
@@ -23,26 +24,6 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """HF initialises biases to zero and norms to one, which would hide a bias or norm that we
-    fail to load; give every parameter random values instead (std 0.1 keeps logits O(1))."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g) * (0.1 if "norm" not in name else 0.2)
-            p.copy_(noise + (1.0 if "norm" in name else 0.0))
-
-
-def save_tiny(path: Path, config, seed: int = 0, **save_kwargs) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
-    model.save_pretrained(path, **save_kwargs)
-    return path
 
 
 def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
