@@ -216,10 +216,15 @@ def greedy(n: int, **kw):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
+def num_kv_blocks(engine) -> int:
+    """The engine's pool size: its runner's, or (part 09 on) its executor's, which may be processes."""
+    return engine.runner.num_blocks if hasattr(engine, "runner") else engine.executor.num_blocks
+
+
 def pool_is_full(llm) -> bool:
     """Every usable KV block is back in the pool and no request holds any: nothing leaked."""
     kv = llm.engine.kv_cache_manager
-    return kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
+    return kv.num_free_blocks == num_kv_blocks(llm.engine) - 1 and not kv.req_to_blocks
 
 
 

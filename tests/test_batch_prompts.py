@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import NEW_TOKENS, PLAIN_PROMPTS, running_server
+from conftest import NEW_TOKENS, PLAIN_PROMPTS, num_kv_blocks, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = dict(temperature=0, max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
@@ -54,14 +54,14 @@ def wait_until_idle(app, aborted_before: int, expected_aborts: int) -> None:
 
     def idle() -> bool:
         return (async_llm.num_unfinished == 0 and async_llm.num_aborted == aborted_before + expected_aborts
-                and kv.num_free_blocks == engine.runner.num_blocks - 1 and not kv.req_to_blocks)
+                and kv.num_free_blocks == num_kv_blocks(engine) - 1 and not kv.req_to_blocks)
 
     deadline = time.monotonic() + 30
     while not idle() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert async_llm.num_unfinished == 0
     assert async_llm.num_aborted == aborted_before + expected_aborts
-    assert kv.num_free_blocks == engine.runner.num_blocks - 1 and not kv.req_to_blocks  # no leaked block
+    assert kv.num_free_blocks == num_kv_blocks(engine) - 1 and not kv.req_to_blocks  # no leaked block
 
 
 def test_prompt_list_runs_together_and_matches_alone(served, running_sets, prompt_token_ids, hf_greedy,

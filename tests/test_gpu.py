@@ -15,6 +15,8 @@
     on: 16 concurrent requests equal HF's greedy exactly, and every KV block is back afterwards.
 (d) Speculative decoding (part 08 on) in fp32 on CUDA: n-gram and draft-model verification through
     the Triton kernels equals HF's greedy, with drafts accepted and no block leaked.
+(e) The multiprocess executor (part 09 on) on CUDA: the model in a worker process (TP=1, NCCL,
+    one GPU) equals HF's greedy in fp32, and shutdown leaves no worker behind.
 
 Parts are discovered with shared.course.stages(), so a new part is in this tier at once."""
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from shared.course import stages
 from test_paged_kernels import Case, make_batch, max_err_vs_dense
-from conftest import greedy
+from conftest import greedy, num_kv_blocks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -172,7 +174,8 @@ def test_sixteen_concurrent_requests_fp32_cuda_match_hf(part, no_tf32, prompt_to
     llm = build(part, "float32")
     try:
         engine = llm.engine
-        assert engine.runner.device.type == "cuda" and engine.runner.dtype == torch.float32
+        runner = engine.runner if hasattr(engine, "runner") else engine.executor.runner
+        assert runner.device.type == "cuda" and runner.dtype == torch.float32
         prompts = prompt_token_ids + [ids[: max(3, len(ids) // 2)] for ids in prompt_token_ids]
         lengths = [8 + (5 * i) % 25 for i in range(len(prompts))]
         running: list[int] = []
@@ -190,7 +193,7 @@ def test_sixteen_concurrent_requests_fp32_cuda_match_hf(part, no_tf32, prompt_to
         for o, p, n in zip(outs, prompts, lengths):
             assert o.outputs[0].token_ids == hf_greedy(p, n)
         kv = engine.kv_cache_manager
-        assert kv.num_free_blocks == engine.runner.num_blocks - 1 and not kv.req_to_blocks
+        assert kv.num_free_blocks == num_kv_blocks(engine) - 1 and not kv.req_to_blocks
     finally:
         release(llm)
 
@@ -216,6 +219,29 @@ def test_speculation_on_cuda_fp32_matches_hf(part, method, no_tf32, prompt_token
             assert o.outputs[0].token_ids == hf_greedy(p, 24)
         assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
         kv = llm.engine.kv_cache_manager
-        assert kv.num_free_blocks == llm.engine.runner.num_blocks - 1 and not kv.req_to_blocks
+        assert kv.num_free_blocks == num_kv_blocks(llm.engine) - 1 and not kv.req_to_blocks
     finally:
         release(llm)
+
+
+# ---- (e) the multiprocess executor on CUDA ------------------------------------------------
+
+MP_PARTS = [s.name for s in STAGES if s.number >= 9]
+
+
+@pytest.mark.parametrize("part", MP_PARTS)
+def test_worker_process_on_cuda_fp32_matches_hf(part, no_tf32, prompt_token_ids, hf_greedy):
+    """TP needs more than one GPU; on one, the model still runs in a worker process (NCCL group
+    of one) driven by the engine's process: greedy output equals HF, no block leaked, and after
+    shutdown the worker is gone."""
+    llm = importlib.import_module(part).LLM(device="cuda", dtype="float32", distributed_executor_backend="mp")
+    procs = list(llm.engine.executor.procs.values())
+    try:
+        outs = llm.generate([list(p) for p in prompt_token_ids], greedy(24))
+        for o, p in zip(outs, prompt_token_ids):
+            assert o.outputs[0].token_ids == hf_greedy(p, 24)
+        kv = llm.engine.kv_cache_manager
+        assert kv.num_free_blocks == num_kv_blocks(llm.engine) - 1 and not kv.req_to_blocks
+    finally:
+        release(llm)
+    assert not any(p.is_alive() for p in procs)
