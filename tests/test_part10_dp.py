@@ -1,0 +1,280 @@
+"""Part 10: data parallelism, with real engine-core processes over ZeroMQ on loopback.
+
+- 200 concurrent requests through the server at DP=2 (least-loaded), each answered exactly once,
+  token-identical (and logprob-identical) to one in-process engine; both engines served.
+- Aborts reach the engine that holds the request, and only it.
+- Cache-aware routing raises the prefix-cache hit rate on a multi-tenant workload at least 1.5x
+  over round-robin.
+- An engine killed with SIGKILL: its requests in flight end with a 503, the other engine keeps
+  serving, nothing hangs; /health stays ok while an engine lives.
+- An engine on "another host" (a --headless process on loopback) serves its share.
+- Bad input gets its 400 from the API server and never reaches an engine; every process ends.
+The routing policies themselves are tested model-free in test_routing.py."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import free_port, running_server, save_tiny
+from shared.sampling_params import SamplingParams
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+            eos_token_id=127, tie_word_embeddings=False)
+GREEDY = dict(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    return save_tiny(tmp_path_factory.mktemp("dp") / "tiny", LlamaConfig(**TINY), seed=0, scale=0.3)
+
+
+def dp_client(path, size: int = 2, **kw):
+    from part10_dp.config import EngineConfig
+    from part10_dp.core_client import DPAsyncLLM
+
+    kw = {"kv_cache_memory_mb": 4, **kw}
+    return DPAsyncLLM(EngineConfig(model=str(path), device="cpu", dtype="float32", data_parallel_size=size,
+                                   num_threads=1, **kw))
+
+
+def closed(client) -> bool:
+    client.shutdown()
+    deadline = time.monotonic() + 15
+    while any(p.is_alive() for p in client.procs.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(p.is_alive() for p in client.procs.values())
+
+
+def wait_for(predicate, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(2, 127) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def test_two_hundred_concurrent_requests_answered_once_and_equal_to_dp1(tiny):
+    from part10_dp import LLM
+    from part10_dp.server import build_app
+
+    ps = prompts(200)
+    ref = LLM(model=str(tiny), device="cpu", dtype="float32", kv_cache_memory_mb=4)
+    want = ref.generate(ps, SamplingParams(temperature=0, max_tokens=8, logprobs=2))
+    client = dp_client(tiny)
+    try:
+        with running_server(build_app(client, "tiny")) as url:
+            api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+            async def run():
+                return await asyncio.gather(*[api.completions.create(model="tiny", prompt=p, logprobs=2, **GREEDY)
+                                              for p in ps])
+
+            replies = asyncio.run(run())
+            assert httpx.get(f"{url}/health").status_code == 200
+        assert len({r.id for r in replies}) == 200
+        for r, w in zip(replies, want):
+            assert len(r.choices) == 1 and r.choices[0].text == w.outputs[0].text
+            want_lps = [d[tok].logprob for tok, d in zip(w.outputs[0].token_ids, w.outputs[0].logprobs)]
+            assert r.choices[0].logprobs.token_logprobs == pytest.approx(want_lps, abs=1e-5)
+        stats = client.coordinator.stats
+        # each request ran once, on one engine, and both engines took a share
+        assert wait_for(lambda: sum(s.num_finished for s in client.coordinator.stats) == 200)
+        assert all(s.num_finished > 20 for s in stats) and sum(s.num_aborted for s in stats) == 0
+    finally:
+        assert closed(client)
+
+
+def test_offline_outputs_identical_to_dp1_including_sampling(tiny):
+    """The front end rebuilds each whole output from the engine's deltas (text, tokens, logprobs,
+    cumulative logprob, finish reason); seeded sampling with n=2 and a stop id lands the same."""
+    from part10_dp import LLM
+
+    ps = prompts(12, seed=1)
+    params = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=12, logprobs=1, stop_token_ids=[50])
+    want = LLM(model=str(tiny), device="cpu", dtype="float32", kv_cache_memory_mb=4).generate(ps, params)
+    client = dp_client(tiny, routing_policy="round_robin")
+    try:
+        async def one(p):
+            r = client.make_request(p, params)
+            async for _ in client.generate(r):
+                pass
+            return r.output()
+
+        async def run():
+            return await asyncio.gather(*[one(p) for p in ps])
+
+        got = asyncio.run(run())
+        for g, w in zip(got, want):
+            for a, b in zip(g.outputs, w.outputs):
+                assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+                       (b.token_ids, b.text, b.finish_reason, b.stop_reason)
+                assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+            assert g.finished
+    finally:
+        assert closed(client)
+
+
+def test_an_abort_reaches_the_engine_that_holds_the_request(tiny):
+    client = dp_client(tiny, routing_policy="round_robin")
+    try:
+        async def start_and_leave(p):
+            r = client.make_request(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+            gen = client.generate(r)
+            await gen.__anext__()  # the request runs on its engine
+            engine = client.jobs[r.request_id].engine
+            await gen.aclose()  # the client goes away
+            return engine
+
+        engine = asyncio.run(start_and_leave([1, 2, 3]))
+        other = 1 - engine
+        assert wait_for(lambda: client.coordinator.stats[engine].num_aborted == 1)
+        assert client.coordinator.stats[other].num_aborted == 0
+        assert client.num_aborted == 1 and client.num_unfinished == 0 and not client.jobs
+        assert wait_for(lambda: client.coordinator.stats[engine].running == 0)  # its blocks freed
+    finally:
+        assert closed(client)
+
+
+def tenant_workload(num_tenants: int = 8, per_tenant: int = 4, seed: int = 0) -> list[list[int]]:
+    """Groups of requests sharing a tenant's 320-token system prompt, then their own question, in
+    a random order of arrival."""
+    rng = random.Random(seed)
+    systems = [[1] + [rng.randrange(2, 127) for _ in range(319)] for _ in range(num_tenants)]
+    reqs = [systems[t] + [rng.randrange(2, 127) for _ in range(rng.randrange(4, 20))]
+            for _ in range(per_tenant) for t in range(num_tenants)]
+    rng.shuffle(reqs)
+    return reqs
+
+
+def hit_rate(tiny, policy: str) -> float:
+    """A pool of 128 blocks per engine holds 4 of the 8 tenants' prompts (20 blocks each): an
+    engine that sees every tenant evicts what it will need next, one that sees half keeps them."""
+    client = dp_client(tiny, routing_policy=policy, kv_cache_memory_mb=1)
+    try:
+        async def run():
+            for p in tenant_workload():  # one after another: each finds what the last ones left
+                r = client.make_request(p, SamplingParams(temperature=0, max_tokens=2))
+                async for _ in client.generate(r):
+                    pass
+
+        asyncio.run(run())
+        assert wait_for(lambda: sum(s.num_finished for s in client.coordinator.stats) == 32)
+        return client.coordinator.prefix_hit_rate
+    finally:
+        assert closed(client)
+
+
+def test_cache_aware_routing_raises_the_hit_rate_over_round_robin(tiny):
+    rr, ca = hit_rate(tiny, "round_robin"), hit_rate(tiny, "cache_aware")
+    assert ca >= 1.5 * rr, (rr, ca)
+
+
+def test_a_dead_engine_fails_only_its_requests(tiny):
+    from part10_dp.server import build_app
+
+    client = dp_client(tiny, routing_policy="round_robin")
+    try:
+        with running_server(build_app(client, "tiny")) as url:
+            api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            victim = client.procs[0]
+
+            async def streamed(i: int):
+                stream = await api.completions.create(model="tiny", prompt=[1, 9, 9, i], temperature=0, max_tokens=480,
+                                                      stream=True, extra_body={"ignore_eos": True})
+                return "".join([c.choices[0].text async for c in stream])
+
+            async def run():
+                # round robin: requests 0 and 2 (and the stream, 4) on engine 0, 1 and 3 on engine 1
+                calls = [api.completions.create(model="tiny", prompt=[1, 2, 3 + i], temperature=0, max_tokens=480,
+                                                extra_body={"ignore_eos": True}) for i in range(4)] + [streamed(4)]
+                tasks = [asyncio.ensure_future(c) for c in calls]
+                while sum(s.running for s in client.coordinator.stats) < 5:  # all five are generating
+                    await asyncio.sleep(0.01)
+                os.kill(victim.pid, signal.SIGKILL)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+            results = asyncio.run(run())
+            assert [isinstance(r, Exception) for r in results] == [True, False, True, False, True]
+            for e in results[:3:2]:
+                assert isinstance(e, openai.APIStatusError) and e.status_code == 503 and "engine 0 died" in str(e)
+            assert isinstance(results[4], openai.APIError) and "engine 0 died" in str(results[4])
+            client_sync = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            for _ in range(3):  # new requests all go to the engine that lives
+                assert client_sync.completions.create(model="tiny", prompt=[1, 5], **GREEDY).choices[0].text is not None
+            assert httpx.get(f"{url}/health").status_code == 200
+            assert client.num_unfinished == 0 and not client.jobs
+    finally:
+        assert closed(client)
+
+
+def test_an_engine_on_another_host_serves_its_share(tiny):
+    port = free_port()
+    while True:  # two consecutive free ports
+        try:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            break
+        except OSError:
+            port = free_port()
+    args = ["--model", str(tiny), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-mb", "4",
+            "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
+            "--data-parallel-rpc-port", str(port), "--num-threads", "1", "--headless"]
+    other_host = subprocess.Popen([sys.executable, "-m", "part10_dp.server", *args])
+    client = None
+    try:
+        client = dp_client(tiny, data_parallel_size_local=1, data_parallel_rpc_port=port, routing_policy="round_robin")
+        assert list(client.procs) == [0]  # this host runs engine 0 only
+
+        async def run():
+            async def one(p):
+                r = client.make_request(p, SamplingParams(**GREEDY))
+                async for _ in client.generate(r):
+                    pass
+            await asyncio.gather(*[one(p) for p in prompts(10)])
+
+        asyncio.run(run())
+        assert wait_for(lambda: all(s.num_finished == 5 for s in client.coordinator.stats))
+        assert closed(client)
+        assert other_host.wait(timeout=30) == 0  # the shutdown reached the other host's engine
+    finally:
+        if client is not None:
+            client.shutdown()
+        if other_host.poll() is None:
+            other_host.kill()
+            other_host.wait()
+
+
+def test_bad_input_is_refused_by_the_api_server(tiny):
+    from part10_dp.server import build_app
+
+    with pytest.raises(ValueError, match="round_robin, least_loaded, cache_aware"):
+        dp_client(tiny, routing_policy="random")
+    client = dp_client(tiny)
+    try:
+        with running_server(build_app(client, "tiny")) as url:
+            api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+            for bad in (dict(prompt=[1, 500]), dict(prompt=[1] * 600), dict(prompt=[1, 2], max_tokens=0)):
+                with pytest.raises(openai.BadRequestError):
+                    api.completions.create(model="tiny", **{"max_tokens": 4, **bad})
+            assert api.completions.create(model="tiny", prompt=[1, 2], **GREEDY).choices[0].finish_reason == "length"
+        assert wait_for(lambda: sum(s.num_finished for s in client.coordinator.stats) == 1)
+    finally:
+        assert closed(client)
