@@ -1,0 +1,200 @@
+"""The scheduler: which sequences run in the next step, and how many tokens each.
+
+Plain Python over two queues, testable without a model (vLLM V1's shape). Every step has a token
+budget, `max_num_batched_tokens`, and a prompt longer than what is left of it is split into
+chunks over several steps (chunked prefill):
+  1. running sequences that decode, oldest first, one token each (decode-first: a long prompt
+     never stalls the streams already running). Each needs a KV slot for it; when the pool has
+     no block left, the newest running sequence is preempted: its blocks are freed, its progress
+     forgotten (num_computed_tokens = 0), and it goes back to the front of `waiting`, to be
+     recomputed later from its prompt plus the tokens it had already generated (its freed
+     full blocks stay in the prefix cache until reused, so a resume often finds most of them);
+  2. running sequences still part-way through their prompt, their next chunk;
+  3. waiting sequences in FCFS order, while there is a free seat (max_num_seqs), budget for at
+     least one token, and blocks for their first chunk. A sequence's first step starts after
+     the longest run of its leading blocks found in the prefix cache (part 07): those tokens
+     cost neither budget nor compute, only the rest is chunked.
+A chunk is what is left of the budget, at most `long_prefill_token_threshold` (when set) so that
+one huge prompt cannot take a whole step. Only the step that computes a sequence's last known
+token samples: a chunk that ends earlier produces logits nobody needs.
+
+Async scheduling (part 05): the step being scheduled may start before the previous step's sampled
+tokens reach the host. So a sequence is advanced when it is *scheduled* (`num_computed_tokens +=
+its new tokens`), and the token its step will sample is counted as an output placeholder: a
+sequence's new tokens are `num_tokens + num_output_placeholders - num_computed_tokens`, which
+for a decode behind a step in flight is 1, the placeholder itself. `update_from_output` turns
+placeholders into real tokens once they arrive.
+
+Speculative decoding (part 08): a decoding sequence may carry draft tokens (`spec_token_ids`,
+proposed before this schedule). Its step then computes its newest token plus the drafts, so the
+target scores all of them in one pass; the budget may cut the drafts short, never the newest
+token. After the step, the rejected drafts' positions are given back (`num_computed_tokens` rolls
+back): their K/V slots hold guesses and are overwritten later."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Sequence
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    continuous_batching: bool = True  # off: admit only into an empty batch (static batching)
+    max_model_len: int | None = None  # with it, no step is scheduled past a sequence's end
+    enable_chunked_prefill: bool = True  # off: a prompt must fit in one step (part 05)
+    long_prefill_token_threshold: int = 0  # most tokens of one prompt per step (0: no limit)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)  # per scheduled: does its step sample?
+    spec_token_ids: list[list[int]] = field(default_factory=list)  # per scheduled: drafts verified
+    # Finished or aborted since the last step: worker processes drop their state for these.
+    finished_seq_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.finished_seq_ids: list[str] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @staticmethod
+    def num_new_tokens(seq: Sequence) -> int:
+        return seq.num_tokens + seq.num_output_placeholders + len(seq.spec_token_ids) - seq.num_computed_tokens
+
+    @classmethod
+    def is_prefilling(cls, seq: Sequence) -> bool:
+        """Still computing its prompt (or, after a preemption, prompt and earlier output) rather
+        than decoding its newest token (and its drafts)."""
+        return cls.num_new_tokens(seq) - len(seq.spec_token_ids) > 1 or seq.num_output_tokens == 0
+
+    def _reaches_its_end(self, seq: Sequence) -> bool:
+        """The token in flight is the sequence's last one (max_tokens or the model length): one
+        more step would sample a token that can only be thrown away, so do not schedule it."""
+        if not seq.num_output_placeholders:
+            return False
+        max_tokens = seq.request.params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+            return True
+        limit = self.config.max_model_len
+        return limit is not None and seq.num_tokens + seq.num_output_placeholders >= limit
+
+    def _chunk(self, seq: Sequence, budget: int, num_hit_tokens: int = 0) -> int:
+        """How many of the sequence's new tokens (those past a cache hit) fit in this step."""
+        num_new = self.num_new_tokens(seq) - num_hit_tokens
+        if not self.config.enable_chunked_prefill and not seq.spec_token_ids:
+            return num_new if num_new <= budget else 0
+        if self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        # 1. Running sequences, oldest first: the decodes, then the partly prefilled ones.
+        decodes, prefills = [], []
+        for s in self.running:
+            (prefills if self.is_prefilling(s) else decodes).append(s)
+        taken: set[str] = set()  # scheduled in this step: never a preemption victim
+        gone: set[str] = set()  # preempted earlier in this loop
+        for seq in decodes + prefills:
+            if seq.seq_id in gone or self._reaches_its_end(seq):
+                continue  # preempted already, or done once its last token lands
+            num_new = self._chunk(seq, budget)
+            if num_new == 0:
+                if budget == 0:
+                    break
+                continue  # chunking off: this prompt waits for a step with room for all of it
+            while not kv.allocate_slots(seq, seq.num_computed_tokens + num_new):
+                # The newest running sequence not yet in this step (`seq` itself at worst).
+                victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
+                self.running.remove(victim)
+                gone.add(victim.seq_id)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                taken.add(seq.seq_id)
+                budget -= num_new
+                del seq.spec_token_ids[max(num_new - 1, 0):]  # drafts past the budget wait
+        # 2. Waiting sequences, FCFS; none on a step that had to preempt (memory is short). A
+        # sequence preempted with a token still in flight waits for that token first.
+        admit = not out.preempted and (self.config.continuous_batching or not self.running)
+        while admit and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if seq.num_output_placeholders:
+                break
+            # Its first step (new, or resumed after a preemption): start after a cache hit.
+            hit_blocks, num_hit = kv.get_computed_blocks(seq)
+            num_new = self._chunk(seq, budget, num_hit)
+            if num_new == 0 or not kv.allocate_slots(seq, num_hit + num_new, hit_blocks):
+                break
+            seq.num_computed_tokens = num_hit
+            self.waiting.popleft()
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+        # The step is as good as run: advance every scheduled sequence now. One whose step
+        # computes its last known token samples: count that token as a placeholder until its id
+        # reaches the host. A chunk that stops short of the end samples nothing.
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+            spec, seq.spec_token_ids = seq.spec_token_ids, []  # the step takes them
+            samples = seq.num_computed_tokens == seq.num_tokens + seq.num_output_placeholders + len(spec)
+            seq.num_output_placeholders += samples
+            out.samples.append(samples)
+            out.spec_token_ids.append(spec)
+        if out.scheduled:  # the workers hear of finished sequences with the next step
+            out.finished_seq_ids, self.finished_seq_ids = self.finished_seq_ids, []
+        return out
+
+    def update_from_output(self, seq: Sequence, num_rejected: int = 0) -> bool:
+        """The sampled tokens of `seq` have reached the host. Returns True when they are to be
+        kept; False when the sequence finished (or was aborted) after its step was scheduled:
+        the step in flight ran for nothing, and its tokens are thrown away. Rejected drafts give
+        their positions back: the next step recomputes from the first rejected one."""
+        seq.num_output_placeholders -= 1
+        seq.num_computed_tokens -= num_rejected
+        return not seq.finished
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv_cache_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids, seq.num_draft_computed = [], None
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished (or aborted) sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv_cache_manager.free(seq.seq_id)
+        self.finished_seq_ids.append(seq.seq_id)
