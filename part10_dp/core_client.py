@@ -246,6 +246,8 @@ class DPAsyncLLM:
                         self.coordinator.report(engine, msg[3])
                         for delta in msg[2]:
                             self._deliver(delta.request_id, delta, done=delta.finished)
+                    elif kind == "alive":
+                        self.coordinator.heard(engine)
                     elif kind == "rejected":
                         self._deliver(msg[2], InvalidRequestError(msg[3], msg[4]), done=True)
                     elif kind == "dead":

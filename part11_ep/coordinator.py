@@ -5,7 +5,8 @@ its queue lengths (waiting, running), its prefix-cache counters and how many abo
 Reports lag: requests the server routed since an engine's last report are not in it yet, so the
 coordinator adds them to that engine's waiting count until the next report arrives (otherwise a
 burst would see the same stale loads and pile onto one engine). An engine that has not been heard
-from for ENGINE_TIMEOUT_S is presumed dead (the server also watches its local engines' processes).
+from for ENGINE_TIMEOUT_S (each has a heartbeat thread, so a long step does not count) is presumed
+dead; the server also watches its local engines' processes.
 
 In vLLM: vllm/v1/engine/coordinator.py (DPCoordinator, a process of its own that gathers the
 engines' request counts and publishes them to the API servers); here it is an object in the one
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from .router import EngineLoad
 
 HEARTBEAT_S = 0.5
-ENGINE_TIMEOUT_S = 15.0
+ENGINE_TIMEOUT_S = 30.0
 
 
 @dataclass

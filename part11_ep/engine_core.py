@@ -10,8 +10,9 @@ Handshake: the engine says hello, the API server answers with what every engine 
 prefix-cache hash seed, so that the server's cache-aware router computes the engines' block
 hashes), the engine builds its LLMEngine and says ready with its KV pool size. Then the busy loop:
 take every message that has arrived (waiting for one only when idle), run one engine step, send the
-requests' new output deltas with the engine's stats; when idle, send the stats every HEARTBEAT_S, so
-the server can tell a quiet engine from a dead one.
+requests' new output deltas with the engine's stats (when idle, every HEARTBEAT_S). A thread of its
+own says "alive" every HEARTBEAT_S on a socket of its own, even while a long step runs, so the
+server can tell a busy or quiet engine from a dead one.
 
 Messages are pickled Python objects: the engines and the API server trust each other (one
 deployment, a private network), as vLLM's engine-core transport does.
@@ -55,6 +56,7 @@ def engine_core_main(config: EngineConfig, rank: int, input_addr: str, output_ad
         if config.num_threads and config.tensor_parallel_size == 1:
             torch.set_num_threads(config.num_threads)
         engine = LLMEngine(config)
+        threading.Thread(target=_heartbeat, args=(ctx, output_addr, rank), name="heartbeat", daemon=True).start()
         out.send(pickle.dumps(("ready", rank, {"num_blocks": engine.executor.num_blocks,
                                                 "max_model_len": engine.max_model_len})))
         core = EngineCore(engine, rank, inp, out)
@@ -125,6 +127,15 @@ class EngineCore:
         cache = self.engine.prefix_cache_stats
         return EngineStats(len(s.waiting), len(s.running), cache.queries, cache.hits, self.num_aborted,
                            self.num_finished)
+
+
+def _heartbeat(ctx: zmq.Context, output_addr: str, rank: int) -> None:
+    sock = ctx.socket(zmq.PUSH)  # zmq sockets are not thread-safe: this thread has its own
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(output_addr)
+    while True:
+        time.sleep(HEARTBEAT_S)
+        sock.send(pickle.dumps(("alive", rank)))
 
 
 def _exit_with_parent() -> None:
