@@ -49,7 +49,9 @@ def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, conn,
         torch.cuda.set_device(device)
     try:
         cpu_group = init_distributed(parallel, rank, device)
-        runner = ModelRunner(config, TensorParallelLayers(rank, parallel.tensor_parallel_size), str(device))
+        size = parallel.tensor_parallel_size
+        # A group of one needs no sharding and no collectives (each would still cost a call into gloo).
+        runner = ModelRunner(config, TensorParallelLayers(rank, size) if size > 1 else None, str(device))
         seed = [int.from_bytes(os.urandom(4), "little")]
         dist.broadcast_object_list(seed, src=0, group=cpu_group)
         torch.manual_seed(seed[0])  # the same stream on every rank, for unseeded sampling
