@@ -35,6 +35,11 @@ class AsyncLLM:
         self.num_aborted = 0
         self._thread: threading.Thread | None = None
 
+    @property
+    def error(self) -> Exception | None:
+        """Set once the engine cannot serve (a tensor-parallel worker died)."""
+        return self.engine.executor.error
+
     def start(self) -> None:
         """Run the engine loop on a background thread (tests, notebooks). `python -m ...server`
         instead calls run_engine_loop() on the main thread: on CPU, PyTorch runs about 2x slower

@@ -31,7 +31,7 @@ from sse_starlette import EventSourceResponse
 
 from shared.outputs import RequestOutput
 from shared.protocol import (ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
-                             CompletionStreamResponse)
+                             CompletionStreamResponse, ErrorInfo, ErrorResponse)
 from shared.serving import OpenAIServing, error_response, install_error_handlers, new_request_id
 from shared.weights import served_model_name
 
@@ -119,8 +119,8 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if engine.executor.error is not None:  # a worker process died: this engine cannot serve
-            return error_response(503, f"the engine has failed: {engine.executor.error}", "server_error")
+        if async_llm.error is not None:  # a worker process died: this engine cannot serve
+            return error_response(503, f"the engine has failed: {async_llm.error}", "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -137,9 +137,13 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
 
         async def events() -> AsyncIterator[str]:
             rid = new_request_id("cmpl")
-            async for i, delta in interleave(requests):  # each chunk names its choice index
-                for chunk in serving.completion_chunks(req, rid, i, delta):
-                    yield chunk.model_dump_json()
+            try:
+                async for i, delta in interleave(requests):  # each chunk names its choice index
+                    for chunk in serving.completion_chunks(req, rid, i, delta):
+                        yield chunk.model_dump_json()
+            except WorkerDied as e:
+                yield stream_error(e)
+                return
             if req.include_usage:
                 yield serving.usage_chunk(CompletionStreamResponse, rid,
                                           [r.output() for r in requests]).model_dump_json()
@@ -157,10 +161,14 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
 
         async def events() -> AsyncIterator[str]:
             rid, first = new_request_id("chatcmpl"), True
-            async for delta in async_llm.generate(request):
-                for chunk in serving.chat_chunks(req, rid, delta, first):
-                    yield chunk.model_dump_json()
-                first = False
+            try:
+                async for delta in async_llm.generate(request):
+                    for chunk in serving.chat_chunks(req, rid, delta, first):
+                        yield chunk.model_dump_json()
+                    first = False
+            except WorkerDied as e:
+                yield stream_error(e)
+                return
             if req.include_usage:
                 yield serving.usage_chunk(ChatCompletionStreamResponse, rid, [request.output()]).model_dump_json()
             yield "[DONE]"
@@ -168,6 +176,13 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
         return EventSourceResponse(events())
 
     return app
+
+
+def stream_error(exc: Exception) -> str:
+    """An engine failure after a stream has begun (its 200 is sent): OpenAI's error object as the
+    last event, so the client raises instead of waiting or taking a cut stream for a whole one."""
+    info = ErrorInfo(message=f"the engine serving this request has failed: {exc}", type="server_error", code=503)
+    return ErrorResponse(error=info).model_dump_json()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,7 +22,6 @@ output threads)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
 import threading
 import time
@@ -36,11 +35,12 @@ from shared.errors import InvalidRequestError
 from .config import EngineConfig
 from .coordinator import HEARTBEAT_S, EngineStats
 from .engine import LLMEngine, run_overlapped
+from .worker import exit_with_parent
 
 
 def engine_core_main(config: EngineConfig, rank: int, input_addr: str, output_addr: str) -> None:
     """The body of engine `rank`'s process."""
-    _exit_with_parent()
+    exit_with_parent()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.DEALER)
     inp.setsockopt(zmq.IDENTITY, f"engine-{rank}".encode())
@@ -57,8 +57,8 @@ def engine_core_main(config: EngineConfig, rank: int, input_addr: str, output_ad
             torch.set_num_threads(config.num_threads)
         engine = LLMEngine(config)
         threading.Thread(target=_heartbeat, args=(ctx, output_addr, rank), name="heartbeat", daemon=True).start()
-        out.send(pickle.dumps(("ready", rank, {"num_blocks": engine.executor.num_blocks,
-                                                "max_model_len": engine.max_model_len})))
+        out.send(pickle.dumps(("ready", rank, {"num_blocks": engine.executor.num_blocks, "max_model_len":
+                                                engine.max_model_len, "model_config": engine.executor.model_config})))
         core = EngineCore(engine, rank, inp, out)
         if engine.max_steps_in_flight > 1:  # the model keeps this (main) thread, as in part 05
             run_overlapped(engine.executor, core.busy_loop)
@@ -136,15 +136,3 @@ def _heartbeat(ctx: zmq.Context, output_addr: str, rank: int) -> None:
     while True:
         time.sleep(HEARTBEAT_S)
         sock.send(pickle.dumps(("alive", rank)))
-
-
-def _exit_with_parent() -> None:
-    """An engine whose launcher died (even by SIGKILL) must not linger."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -41,7 +41,7 @@ class StepMessage:
 
 def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, conn, num_threads: int) -> None:
     """The body of a worker process (started with multiprocessing's spawn)."""
-    _exit_with_parent()
+    exit_with_parent()
     torch.set_num_threads(num_threads)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -99,8 +99,8 @@ def _to_host(out):
     return out  # a RejectionOutput is host data already
 
 
-def _exit_with_parent() -> None:
-    """A worker whose engine process died (even by SIGKILL) must not linger: watch the parent."""
+def exit_with_parent() -> None:
+    """A process whose parent died (even by SIGKILL) must not linger: watch the parent."""
     parent = os.getppid()
 
     def watch() -> None:

@@ -25,6 +25,7 @@ import os
 import pickle
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import AsyncIterator
@@ -43,7 +44,6 @@ from .coordinator import Coordinator
 from .engine_core import engine_core_main
 from .input_processor import InputProcessor
 from .kv_cache_utils import BlockHasher, make_none_hash
-from .moe_config import load_configs
 from .router import make_router
 
 STARTUP_TIMEOUT_S = 600
@@ -140,10 +140,9 @@ class DPAsyncLLM:
         except BaseException:
             self.shutdown()
             raise
-        path = resolve_model_path(config.model)
-        self.tokenizer = Tokenizer(path)
+        self.tokenizer = Tokenizer(resolve_model_path(config.model))
         self.max_model_len = info[0]["max_model_len"]
-        self.processor = InputProcessor(self.tokenizer, load_configs(path)[0], self.max_model_len,
+        self.processor = InputProcessor(self.tokenizer, info[0]["model_config"], self.max_model_len,
                                         min(i["num_blocks"] for i in info.values()), config.block_size,
                                         torch.device("cpu"))
         self.hasher = BlockHasher(config.block_size, make_none_hash(seed))
@@ -157,10 +156,9 @@ class DPAsyncLLM:
         poller = zmq.Poller()
         poller.register(self.inp, zmq.POLLIN)
         poller.register(self.out, zmq.POLLIN)
-        waited = 0.0
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(ready) < size:
             events = dict(poller.poll(500))
-            waited += 0.5
             if self.inp in events:
                 identity, payload = self.inp.recv_multipart()
                 self.inp.send_multipart([identity, pickle.dumps(("init", shared))])
@@ -173,7 +171,7 @@ class DPAsyncLLM:
             gone = [r for r, p in self.procs.items() if not p.is_alive() and r not in ready]
             if gone:
                 raise RuntimeError(f"engine {gone[0]} exited while starting (exit code {self.procs[gone[0]].exitcode})")
-            if waited > STARTUP_TIMEOUT_S:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"only engines {sorted(ready)} of {size} became ready")
         return ready
 

@@ -99,6 +99,9 @@ class FusedMoE(nn.Module):
         # local expert, and the bytes this rank sent in all-to-alls.
         self.register_buffer("tokens_per_expert", torch.zeros(local, dtype=torch.long), persistent=False)
         self.all_to_all_bytes = 0
+        # Each rank's first expert: bucketize maps a pair's expert to the rank holding it.
+        starts = [expert_range(num_experts, r, size)[0] for r in range(size)]
+        self.register_buffer("rank_starts", torch.tensor(starts), persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         """shard_id = (expert, "w1" | "w3" | "w2"): one expert's gate (w1), up (w3) or down (w2)
@@ -139,7 +142,7 @@ class FusedMoE(nn.Module):
         lo, hi = min(self.rank * per_rank, t), min((self.rank + 1) * per_rank, t)
         # The (token, slot) pairs of the slice, grouped by the rank that holds their expert.
         pair_ids = ids[lo:hi].flatten()
-        owner = torch.bucketize(pair_ids, self._rank_starts(x.device), right=True) - 1
+        owner = torch.bucketize(pair_ids, self.rank_starts, right=True) - 1
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=size)
         recv_counts = torch.empty_like(send_counts)
@@ -162,7 +165,3 @@ class FusedMoE(nn.Module):
         gathered = [torch.empty_like(out) for _ in range(size)]
         dist.all_gather(gathered, out)
         return torch.cat(gathered)[:t].to(x.dtype)
-
-    def _rank_starts(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor([expert_range(self.num_experts, r, self.size)[0] for r in range(self.size)],
-                            device=device)

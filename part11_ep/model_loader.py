@@ -9,6 +9,7 @@ In vLLM: vllm/model_executor/models/registry.py (architecture -> class), mixtral
 qwen2_moe.py (their `load_weights` and expert_params_mapping)."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Iterable, Iterator
 import torch
 
 from shared.model import LayerFactory, LlamaForCausalLM
-from shared.weights import initialize_dummy_weights, iterate_weights, load_model
+from shared.weights import load_model
 
 from .moe_config import MoEConfig, load_configs
 from .moe_layers import MoELayers
@@ -37,8 +38,6 @@ MOE_ARCHITECTURES = {
 
 
 def architecture(path: Path) -> str:
-    import json
-
     archs = json.loads((path / "config.json").read_text()).get("architectures") or ["LlamaForCausalLM"]
     if archs[0] not in DENSE_ARCHITECTURES and archs[0] not in MOE_ARCHITECTURES:
         raise ValueError(f"architecture {archs[0]!r} is not supported; supported: "
@@ -53,18 +52,10 @@ def get_model(path: Path, device: torch.device, dtype: torch.dtype, max_position
     if arch in DENSE_ARCHITECTURES:
         return load_model(path, device, dtype, max_positions, load_format, layers)
     cfg, moe = load_configs(path)
-    factory = MoELayers(moe, layers, rank, size, expert_parallel, use_triton)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions=max_positions, layers=factory)
-    model.to(dtype)
-    if load_format == "dummy":
-        initialize_dummy_weights(model)
-        return model.eval()
-    loaded = load_moe_weights(model, iterate_weights(path), MOE_ARCHITECTURES[arch], moe)
-    missing = {n for n, _ in model.named_parameters()} - loaded
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:5]} ...")
-    return model.eval()
+    fmt = MOE_ARCHITECTURES[arch]
+    return load_model(path, device, dtype, max_positions, load_format,
+                      MoELayers(moe, layers, rank, size, expert_parallel, use_triton), cfg,
+                      lambda model, weights: load_moe_weights(model, weights, fmt, moe))
 
 
 def load_moe_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], fmt: MoEFormat,

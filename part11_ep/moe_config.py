@@ -7,11 +7,11 @@ sparse."""
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import ModelConfig
+from shared.weights import generation_eos_token_ids
 
 # A MoE model's attention family: the dense model_type whose attention it has.
 ATTENTION_OF = {"mixtral": "mistral", "qwen2_moe": "qwen2"}
@@ -56,12 +56,7 @@ def load_configs(path: Path) -> tuple[ModelConfig, MoEConfig | None]:
     """(ModelConfig, MoEConfig or None for a dense model)."""
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(path)
-    eos: tuple[int, ...] = ()
-    gen = path / "generation_config.json"
-    if gen.exists():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        eos = tuple(value) if isinstance(value, list) else ((value,) if value is not None else ())
+    hf, eos = AutoConfig.from_pretrained(path), generation_eos_token_ids(path)
     if hf.model_type not in ATTENTION_OF:
         return ModelConfig.from_hf(hf, eos_token_ids=eos), None
     dense = copy.copy(hf)

@@ -74,12 +74,11 @@ class _StepFuture(Future):
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, parallel: ParallelConfig):
-        self.parallel = parallel
         self.procs, self.conn = start_workers(config, parallel, with_pipe=True)
         self.pending: deque[_StepFuture] = deque()
         self.error: WorkerDied | None = None
         self._stopped = threading.Event()
-        kind, info = self._receive(STARTUP_TIMEOUT_S)
+        _, info = self._receive(STARTUP_TIMEOUT_S)
         self.model_path, self.model_config = info["model_path"], info["model_config"]
         self.max_model_len, self.num_blocks = info["max_model_len"], info["num_blocks"]
         self.block_size = info["block_size"]

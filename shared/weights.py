@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,13 +42,16 @@ def served_model_name(model: str | None) -> str:
 def load_config(path: Path) -> ModelConfig:
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(path)
-    eos: tuple[int, ...] = ()
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(path), eos_token_ids=generation_eos_token_ids(path))
+
+
+def generation_eos_token_ids(path: Path) -> tuple[int, ...]:
+    """The EOS ids of generation_config.json, which may list several (chat models' end-of-turn)."""
     gen = path / "generation_config.json"
-    if gen.exists():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        eos = tuple(value) if isinstance(value, list) else ((value,) if value is not None else ())
-    return ModelConfig.from_hf(hf, eos_token_ids=eos)
+    if not gen.exists():
+        return ()
+    value = json.loads(gen.read_text()).get("eos_token_id")
+    return tuple(value) if isinstance(value, list) else ((value,) if value is not None else ())
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -87,19 +90,21 @@ def initialize_dummy_weights(model: torch.nn.Module, low: float = -1e-3, high: f
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, load_format: str = "auto",
-               layers: LayerFactory | None = None) -> LlamaForCausalLM:
+               layers: LayerFactory | None = None, cfg: ModelConfig | None = None,
+               load_weights: Callable[[LlamaForCausalLM, Iterator], set[str]] | None = None) -> LlamaForCausalLM:
     """load_format "auto": the checkpoint in `path`; "dummy": random weights, only config.json read.
-    `layers`: the model's LayerFactory (default: dense layers)."""
+    `layers`: the model's LayerFactory (default: dense layers). A model family of a later part may
+    pass its own `cfg` and `load_weights(model, weights)` (default: the model's own loader)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
-    cfg = load_config(path)
+    cfg = cfg or load_config(path)
     with torch.device(device):
         model = LlamaForCausalLM(cfg, max_positions=max_positions, layers=layers)
     model.to(dtype)
     if load_format == "dummy":
         initialize_dummy_weights(model)
         return model.eval()
-    loaded = model.load_weights(iterate_weights(path))
+    loaded = (load_weights or LlamaForCausalLM.load_weights)(model, iterate_weights(path))
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:

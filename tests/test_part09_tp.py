@@ -286,6 +286,9 @@ def test_server_at_tp2_through_the_openai_client(tiny):
             with pytest.raises(openai.APIStatusError) as err:
                 client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
             assert err.value.status_code == 503 and "rank 1 (exit code -9)" in str(err.value)
+            with pytest.raises(openai.APIError, match="rank 1 \\(exit code -9\\)"):  # a stream: its last event
+                for _ in client.completions.create(model="tiny", prompt="Hello", max_tokens=4, stream=True):
+                    pass
             import httpx
 
             health = httpx.get(f"{url}/health", timeout=10)
