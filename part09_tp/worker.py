@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import threading
 import time
 import traceback
@@ -41,7 +42,7 @@ class StepMessage:
 
 def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, conn, num_threads: int) -> None:
     """The body of a worker process (started with multiprocessing's spawn)."""
-    exit_with_parent()
+    follow_parent()
     torch.set_num_threads(num_threads)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -77,7 +78,7 @@ def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, conn,
             out = runner.execute_model(runner.prepare_inputs(batch))
             if rank == 0:
                 conn.send(("ok", _to_host(out)))
-    except (EOFError, KeyboardInterrupt):  # the engine went away
+    except EOFError:  # the engine went away
         pass
     except BaseException:
         if rank == 0:
@@ -99,8 +100,11 @@ def _to_host(out):
     return out  # a RejectionOutput is host data already
 
 
-def exit_with_parent() -> None:
-    """A process whose parent died (even by SIGKILL) must not linger: watch the parent."""
+def follow_parent() -> None:
+    """A child process lives and ends with its parent: Ctrl-C in a terminal reaches the whole process
+    group, but only the parent decides when to stop its children (it tells them); and a child whose
+    parent died (even by SIGKILL) must not linger, so a thread watches the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
 
     def watch() -> None:

@@ -35,12 +35,12 @@ from shared.errors import InvalidRequestError
 from .config import EngineConfig
 from .coordinator import HEARTBEAT_S, EngineStats
 from .engine import LLMEngine, run_overlapped
-from .worker import exit_with_parent
+from .worker import follow_parent
 
 
 def engine_core_main(config: EngineConfig, rank: int, input_addr: str, output_addr: str) -> None:
     """The body of engine `rank`'s process."""
-    exit_with_parent()
+    follow_parent()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.DEALER)
     inp.setsockopt(zmq.IDENTITY, f"engine-{rank}".encode())
@@ -133,6 +133,9 @@ def _heartbeat(ctx: zmq.Context, output_addr: str, rank: int) -> None:
     sock = ctx.socket(zmq.PUSH)  # zmq sockets are not thread-safe: this thread has its own
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(output_addr)
-    while True:
-        time.sleep(HEARTBEAT_S)
-        sock.send(pickle.dumps(("alive", rank)))
+    try:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            sock.send(pickle.dumps(("alive", rank)))
+    except zmq.ContextTerminated:  # the engine is shutting down
+        sock.close()
