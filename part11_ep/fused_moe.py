@@ -25,6 +25,9 @@ A token goes to the top-k experts of its router; its output is the router-weight
   to every rank. A rank with no token, or no pair for some rank, still joins every collective with
   empty splits: a collective that one rank skips waits forever.
 
+The experts' parameters are created by the layer's quantize method (dense: UnquantizedFusedMoEMethod),
+as the linear layers' are, so part 14 can store experts in fewer bits without a new layer.
+
 In vLLM: vllm/model_executor/layers/fused_moe/layer.py (FusedMoE, expert_map, weight_loader),
 fused_moe.py (the Triton path), and the all2all managers in vllm/distributed/device_communicators/."""
 from __future__ import annotations
@@ -36,7 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shared.layers import default_weight_loader
+from shared.layers import (QuantizationConfig, QuantizeMethodBase, default_weight_loader,
+                           set_weight_attrs)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,12 +77,46 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids:
     return out.to(x.dtype)
 
 
+class FusedMoEMethodBase(QuantizeMethodBase):
+    """How one MoE layer's stacked experts are held and run (dense here; part 14 quantizes them
+    through the same two calls)."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, weight_loader) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor | None) -> torch.Tensor:
+        """Rows x [N, H] through this rank's experts `ids` (local indices, [N] or [N, k]), weighted."""
+        raise NotImplementedError
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       weight_loader) -> None:
+        i = intermediate_size_per_partition
+        for name, shape in (("w13_weight", (num_experts, 2 * i, hidden_size)),
+                            ("w2_weight", (num_experts, hidden_size, i))):
+            param = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+            set_weight_attrs(param, {"weight_loader": weight_loader})
+            layer.register_parameter(name, param)
+
+    def apply(self, layer, x, ids, weights):
+        if layer.use_triton and x.is_cuda:
+            from .moe_kernels import fused_experts
+
+            return fused_experts(x, layer.w13_weight, layer.w2_weight, ids if ids.dim() == 2 else ids[:, None],
+                                 weights if weights is None or weights.dim() == 2 else weights[:, None])
+        return experts_reference(x, layer.w13_weight, layer.w2_weight, ids, weights)
+
+
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool,
-                 rank: int = 0, size: int = 1, expert_parallel: bool = False, use_triton: bool = False):
+                 rank: int = 0, size: int = 1, expert_parallel: bool = False, use_triton: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.rank, self.size, self.use_triton = rank, size, use_triton
+        self.rank, self.size, self.use_triton, self.prefix = rank, size, use_triton, prefix
         self.expert_parallel = expert_parallel and size > 1
         if self.expert_parallel:
             if num_experts < size:
@@ -90,11 +128,10 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"the experts' intermediate size ({intermediate}) must divide by {size}")
             self.first_expert, local = 0, num_experts
             self.i_start, i_local = rank * intermediate // size, intermediate // size
-        self.num_local_experts = local
-        self.w13_weight = nn.Parameter(torch.empty(local, 2 * i_local, hidden), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(local, hidden, i_local), requires_grad=False)
-        for p in (self.w13_weight, self.w2_weight):
-            p.weight_loader = self.weight_loader
+        self.num_local_experts, self.intermediate_per_partition = local, i_local
+        self.quant_method = (quant_config.get_quant_method(self, prefix) if quant_config else None) \
+            or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(self, local, hidden, i_local, torch.get_default_dtype(), self.weight_loader)
         # Counters since the last reset: (token, expert) pairs this rank's experts computed, per
         # local expert, and the bytes this rank sent in all-to-alls.
         self.register_buffer("tokens_per_expert", torch.zeros(local, dtype=torch.long), persistent=False)
@@ -110,7 +147,7 @@ class FusedMoE(nn.Module):
         e = expert - self.first_expert
         if not 0 <= e < self.num_local_experts:
             return
-        i_local = self.w2_weight.shape[2]
+        i_local = self.intermediate_per_partition
         if which == "w2":
             default_weight_loader(param.data[e], loaded.narrow(1, self.i_start, i_local))
         else:
@@ -129,12 +166,7 @@ class FusedMoE(nn.Module):
     def _local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """Run this rank's experts on rows x, ids being local expert indices."""
         self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=self.num_local_experts)
-        if self.use_triton and x.is_cuda:
-            from .moe_kernels import fused_experts
-
-            return fused_experts(x, self.w13_weight, self.w2_weight, ids if ids.dim() == 2 else ids[:, None],
-                                 weights if weights is None or weights.dim() == 2 else weights[:, None])
-        return experts_reference(x, self.w13_weight, self.w2_weight, ids, weights)
+        return self.quant_method.apply(self, x, ids, weights)
 
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, size = x.shape[0], self.size

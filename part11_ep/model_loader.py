@@ -46,15 +46,17 @@ def architecture(path: Path) -> str:
 
 
 def get_model(path: Path, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
-              load_format: str = "auto", layers: LayerFactory | None = None, rank: int = 0, size: int = 1,
-              expert_parallel: bool = False, use_triton: bool = False) -> LlamaForCausalLM:
+              load_format: str = "auto", layers: LayerFactory | None = None, expert_parallel: bool = False,
+              use_triton: bool = False) -> LlamaForCausalLM:
+    """The checkpoint's model, built through `layers` (dense by default, or a rank's tensor-parallel
+    layers); an MoE family gets MoE blocks over them."""
     arch = architecture(path)
     if arch in DENSE_ARCHITECTURES:
         return load_model(path, device, dtype, max_positions, load_format, layers)
     cfg, moe = load_configs(path)
     fmt = MOE_ARCHITECTURES[arch]
     return load_model(path, device, dtype, max_positions, load_format,
-                      MoELayers(moe, layers, rank, size, expert_parallel, use_triton), cfg,
+                      MoELayers(moe, layers or LayerFactory(), expert_parallel, use_triton), cfg,
                       lambda model, weights: load_moe_weights(model, weights, fmt, moe))
 
 

@@ -4,7 +4,7 @@ replace them without touching the model definition."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,56 +17,148 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
+    """Tell the loaders how a parameter lies: `output_dim` / `input_dim` (which of its dims runs
+    along the layer's output and input features, or None), `packed_dim` and `packed_factor` (a dim
+    that stores `packed_factor` values per element, e.g. eight 4-bit weights per int32), and its
+    `weight_loader`. Tensor-parallel layers shard any parameter by these, whatever its format."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+def packed_factor(param: nn.Parameter, dim: int) -> int:
+    """How many logical values one element of `param` holds along `dim` (1 unless packed there)."""
+    return getattr(param, "packed_factor", 1) if getattr(param, "packed_dim", None) == dim else 1
+
+
+class QuantizeMethodBase:
+    """How a layer creates, prepares and uses its weights. The layer owns the parameters; the method
+    decides their format. Part 14 swaps in quantized formats; everything else sees one interface."""
+
+    def create_weights(self, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once every weight is loaded (quantize, repack for a kernel, ...)."""
+
+
+class LinearMethodBase(QuantizeMethodBase):
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: Callable) -> None:
+        """Register the layer's weight parameters for its share of the features (all of them
+        without tensor parallelism), each with its attributes (set_weight_attrs)."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """The default: one dense weight [out, in] in the model's dtype."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, weight_loader) -> None:
+        weight = _param(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader})
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer, x, bias=None):
+        return F.linear(x, layer.weight, bias)
+
+
+class QuantizationConfig:
+    """Which quantize method each layer gets, by the layer's kind and its `prefix` (its dotted name,
+    e.g. "model.layers.3.mlp.down_proj"), so a checkpoint can leave some layers unquantized."""
+
+    def get_name(self) -> str:
+        raise NotImplementedError
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """None: the layer keeps its unquantized default."""
+        raise NotImplementedError
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. The base of every projection; subclasses only change how weights load."""
+    """y = x W^T + b, computed by the layer's quantize method (dense by default). The base of every
+    projection: subclasses change how many features this process holds and how weights load."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", *,
+                 input_size_per_partition: int | None = None, output_partition_sizes: list[int] | None = None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = _param(out_features, in_features)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = _param(out_features) if bias else None
-        if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
+        self.input_size, self.output_size, self.prefix = input_size, output_size, prefix
+        self.input_size_per_partition = input_size if input_size_per_partition is None else input_size_per_partition
+        self.output_partition_sizes = output_partition_sizes or [output_size]
+        self.quant_method = (quant_config.get_quant_method(self, prefix) if quant_config else None) \
+            or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, self.input_size_per_partition, self.output_partition_sizes,
+                                         input_size, output_size, torch.get_default_dtype(), self.weight_loader)
+        self.bias = None
+        if bias:
+            self.bias = _param(sum(self.output_partition_sizes))
+            set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked into one matmul (gate+up, or q+k+v).
     Checkpoints store them apart; `shard_id` says which slice a loaded tensor fills."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 shard_names: list[Any] | None = None):
-        super().__init__(in_features, sum(output_sizes), bias)
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 shard_names: list[Any] | None = None, **partition: Any):
         names = shard_names or list(range(len(output_sizes)))
+        local = partition.get("output_partition_sizes") or output_sizes
         offsets = [0]
-        for size in output_sizes:
+        for size in local:
             offsets.append(offsets[-1] + size)
-        self.shards = {n: (offsets[i], output_sizes[i]) for i, n in enumerate(names)}
+        # Where each projection's rows lie in this process's parameters (logical output units).
+        self.shards = {n: (offsets[i], local[i]) for i, n in enumerate(names)}
+        super().__init__(input_size, sum(output_sizes), bias, quant_config, prefix,
+                         output_partition_sizes=list(local), **{k: v for k, v in partition.items()
+                                                                if k != "output_partition_sizes"})
+
+    def shard_of(self, param: nn.Parameter, shard_id: Any) -> torch.Tensor:
+        """The slice of `param` that holds projection `shard_id` (its whole self for a parameter
+        without an output dim, such as a group index shared by the projections)."""
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            return param.data
+        start, size = self.shards[shard_id]
+        factor = packed_factor(param, dim)
+        return param.data.narrow(dim, start // factor, size // factor)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is None:
             return default_weight_loader(param, loaded)
-        start, size = self.shards[shard_id]
-        default_weight_loader(param.data.narrow(0, start, size), loaded)
+        default_weight_loader(self.shard_of(param, shard_id), loaded)
 
 
 class QKVLinear(MergedLinear):
+    """q, k and v of every head in one matmul. `local_heads` (query, KV): the heads this process
+    holds, when tensor parallelism gives it a share of them (default: all)."""
+
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias, shard_names=["q", "k", "v"])
-        self.output_sizes = sizes
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+                 bias: bool = False, quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 local_heads: tuple[int, int] | None = None, **partition: Any):
+        self.num_heads, self.num_kv_heads = local_heads or (num_heads, num_kv_heads)
+        self.output_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, quant_config, prefix, shard_names=["q", "k", "v"],
+                         output_partition_sizes=self.output_sizes, **partition)
 
 
 class VocabEmbedding(nn.Module):
@@ -79,8 +171,9 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(Linear):
-    def __init__(self, hidden_size: int, vocab_size: int):
-        super().__init__(hidden_size, vocab_size, bias=False)
+    def __init__(self, hidden_size: int, vocab_size: int, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "lm_head", **partition: Any):
+        super().__init__(hidden_size, vocab_size, False, quant_config, prefix, **partition)
 
 
 class RMSNorm(nn.Module):

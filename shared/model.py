@@ -13,51 +13,77 @@ from torch import nn
 
 from .config import ModelConfig
 from .forward_context import get_forward_context
-from .layers import (LMHead, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding,
-                     SiluAndMul, VocabEmbedding, default_weight_loader)
+from .layers import (LMHead, Linear, MergedLinear, QKVLinear, QuantizationConfig, RMSNorm,
+                     RotaryEmbedding, SiluAndMul, VocabEmbedding, default_weight_loader)
 
 
 class LayerFactory:
     """The one seam through which the model builds the layers that later parts replace: its
     projections, its MLP block, its embedding and its head. This default builds them dense. A part
-    that shards them across processes (09, tensor parallelism), routes tokens to experts (11) or
-    quantizes the weights (14) hands the model a subclass from its own folder, and this file stays
-    as it is. (vLLM reaches the same end with parallel-aware layer classes and a `quant_method` on
-    every linear layer.)"""
+    that shards them across processes (09, tensor parallelism) or routes tokens to experts (11) hands
+    the model a factory of its own folder, and this file stays as it is. Every linear layer is built
+    with its `prefix` (its dotted name) and asks the factory's `quant_config` for its quantize method,
+    so weight formats (14) change without a new factory. (vLLM reaches the same end with
+    parallel-aware layer classes and a `quant_method` on every linear layer.)"""
+    tp_rank, tp_size = 0, 1  # this process's place in a tensor-parallel group
 
-    def qkv_proj(self, cfg: ModelConfig) -> QKVLinear:
+    def __init__(self, quant_config: QuantizationConfig | None = None):
+        self.quant_config = quant_config
+
+    def qkv_proj(self, cfg: ModelConfig, prefix: str) -> QKVLinear:
         return QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
-                         bias=cfg.qkv_bias)
+                         cfg.qkv_bias, self.quant_config, prefix)
 
-    def o_proj(self, cfg: ModelConfig) -> Linear:
-        return Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+    def o_proj(self, cfg: ModelConfig, prefix: str) -> Linear:
+        return Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias,
+                      self.quant_config, prefix)
 
-    def gate_up_proj(self, cfg: ModelConfig) -> MergedLinear:
-        return MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
+    def gate_up_proj(self, cfg: ModelConfig, prefix: str) -> MergedLinear:
+        return MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, self.quant_config, prefix)
 
-    def down_proj(self, cfg: ModelConfig) -> Linear:
-        return Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+    def down_proj(self, cfg: ModelConfig, prefix: str) -> Linear:
+        return Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, self.quant_config, prefix)
 
-    def mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
-        return LlamaMLP(cfg, self)
+    def mlp(self, cfg: ModelConfig, layer_idx: int, prefix: str) -> nn.Module:
+        return LlamaMLP(cfg, self, prefix)
 
-    def embed_tokens(self, cfg: ModelConfig) -> VocabEmbedding:
+    def embed_tokens(self, cfg: ModelConfig, prefix: str) -> VocabEmbedding:
         return VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 
-    def lm_head(self, cfg: ModelConfig) -> LMHead:
-        return LMHead(cfg.hidden_size, cfg.vocab_size)
+    def lm_head(self, cfg: ModelConfig, prefix: str) -> LMHead:
+        return LMHead(cfg.hidden_size, cfg.vocab_size, self.quant_config, prefix)
+
+
+class WrappedLayers:
+    """A factory that changes some of another factory's layers: what a subclass does not override
+    (and every attribute, such as tp_rank) is the base's. Part 11 puts MoE blocks over dense or
+    tensor-parallel layers this way."""
+
+    def __init__(self, base: LayerFactory):
+        self.base = base
+
+    def mlp(self, cfg: ModelConfig, layer_idx: int, prefix: str) -> nn.Module:
+        # The base's recipe for the block, built from this factory's projections (so an override
+        # of gate_up_proj or down_proj here reaches the MLPs too).
+        return type(self.base).mlp(self, cfg, layer_idx, prefix)
+
+    def __getattr__(self, name: str):
+        if name == "base":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, layers: LayerFactory):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, layers: LayerFactory,
+                 prefix: str):
         super().__init__()
         self.layer_idx = layer_idx
-        self.qkv_proj = layers.qkv_proj(cfg)
+        self.qkv_proj = layers.qkv_proj(cfg, f"{prefix}.qkv_proj")
         # The heads this module computes: all of them, or a shard's (part 09).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim ** -0.5
-        self.o_proj = layers.o_proj(cfg)
+        self.o_proj = layers.o_proj(cfg, f"{prefix}.o_proj")
         self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -73,23 +99,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: LayerFactory):
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory, prefix: str):
         super().__init__()
-        self.gate_up_proj = layers.gate_up_proj(cfg)
+        self.gate_up_proj = layers.gate_up_proj(cfg, f"{prefix}.gate_up_proj")
         self.act = SiluAndMul()
-        self.down_proj = layers.down_proj(cfg)
+        self.down_proj = layers.down_proj(cfg, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, layers: LayerFactory):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, layers: LayerFactory,
+                 prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, layers)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, layers, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = layers.mlp(cfg, layer_idx)
+        self.mlp = layers.mlp(cfg, layer_idx, f"{prefix}.mlp")
 
     def forward(self, positions, x, residual):
         if residual is None:
@@ -113,10 +140,11 @@ class LlamaForCausalLM(nn.Module):
         layers = layers or LayerFactory()
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                  cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = layers.embed_tokens(cfg)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, layers) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = layers.embed_tokens(cfg, "model.embed_tokens")
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, layers, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = layers.lm_head(cfg)
+        self.lm_head = layers.lm_head(cfg, "lm_head")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

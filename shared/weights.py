@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -79,13 +80,33 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 @torch.no_grad()
 def initialize_dummy_weights(model: torch.nn.Module, low: float = -1e-3, high: float = 1e-3,
                              seed: int = DUMMY_SEED) -> None:
-    """vLLM's `--load-format dummy`: every parameter uniform in [low, high], from a seeded
-    generator (the same weights every run). Values this small keep the forward pass free of
-    NaNs and overflow, so timings are those of real weights of the same shape."""
-    params = list(model.parameters())  # a tied lm_head is the embedding: filled once
+    """vLLM's `--load-format dummy`: every floating-point parameter uniform in [low, high], from a
+    seeded generator (the same weights every run). Values this small keep the forward pass free of
+    NaNs and overflow, so timings are those of real weights of the same shape. Integer parameters
+    (a quantized checkpoint's packed weights) are left to their quantize method."""
+    params = [p for p in model.parameters() if p.is_floating_point()]  # a tied head: filled once
     generator = torch.Generator(device=params[0].device).manual_seed(seed)
     for p in params:
         p.uniform_(low, high, generator=generator)
+
+
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Give every layer's quantize method its post-load step (quantize, repack for a kernel)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build floating-point parameters directly in the model's dtype (no fp32 copy first)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype,
@@ -94,19 +115,21 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype,
                load_weights: Callable[[LlamaForCausalLM, Iterator], set[str]] | None = None) -> LlamaForCausalLM:
     """load_format "auto": the checkpoint in `path`; "dummy": random weights, only config.json read.
     `layers`: the model's LayerFactory (default: dense layers). A model family of a later part may
-    pass its own `cfg` and `load_weights(model, weights)` (default: the model's own loader)."""
+    pass its own `cfg` and `load_weights(model, weights)` (default: the model's own loader).
+    Parameters are created in `dtype` by their layers (a quantized format's integer ones keep
+    theirs: nothing here casts them); each layer's quantize method runs once loading is done."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     cfg = cfg or load_config(path)
-    with torch.device(device):
+    with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(cfg, max_positions=max_positions, layers=layers)
-    model.to(dtype)
     if load_format == "dummy":
         initialize_dummy_weights(model)
-        return model.eval()
-    loaded = (load_weights or LlamaForCausalLM.load_weights)(model, iterate_weights(path))
-    expected = {n for n, _ in model.named_parameters()}
-    missing = expected - loaded
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:5]} ...")
+    else:
+        loaded = (load_weights or LlamaForCausalLM.load_weights)(model, iterate_weights(path))
+        expected = {n for n, _ in model.named_parameters()}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:5]} ...")
+    process_weights_after_loading(model)
     return model.eval()

@@ -1,14 +1,22 @@
-"""The seam in shared/model.py: every layer a later part replaces (projections, MLP block,
-embedding, head) is built through the LayerFactory handed to the model. A factory of its own
-reaches every layer of every decoder layer, its layers load the checkpoint through their own
-weight loaders, and a factory that changes a layer changes the output (so the seam is really
-used); the default factory is what every part so far runs (tests/test_parity.py)."""
+"""The seams in shared/: every layer a later part replaces (projections, MLP block, embedding, head)
+is built through the LayerFactory handed to the model, with its prefix (its dotted name); every
+linear layer gets its weights' format from its quantize method. A factory of its own reaches every
+layer of every decoder layer, its layers load the checkpoint through their own weight loaders, and
+a factory that changes a layer changes the output (so the seam is really used); a format of the
+tests' own (layer_fakes.py: the weight stored transposed) computes exactly the dense model, which
+proves the merged loaders follow each parameter's declared dims; the post-load hook runs once per
+layer, and no loader casts or randomises an integer parameter. The default factory is what every
+part runs (tests/test_parity.py)."""
 from __future__ import annotations
 
 import torch
+import pytest
+from torch import nn
+
 from conftest import save_tiny
-from shared.layers import Linear, QKVLinear
-from shared.model import LayerFactory
+from layer_fakes import TransposedConfig
+from shared.layers import Linear, MergedLinear, QKVLinear, set_weight_attrs
+from shared.model import LayerFactory, WrappedLayers
 from shared.weights import load_config, load_model
 
 CPU = torch.device("cpu")
@@ -23,48 +31,50 @@ def tiny_checkpoint(path):
 
 
 class Recording(LayerFactory):
-    """Builds subclasses of the dense layers and remembers every call."""
+    """Builds subclasses of the dense layers and remembers every call, with its prefix."""
 
     def __init__(self):
-        self.calls: list[str] = []
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
 
-    def _made(self, name, layer):
-        self.calls.append(name)
+    def _made(self, name, prefix, layer):
+        self.calls.append((name, prefix))
         layer.made_by = "recording"
         return layer
 
-    def qkv_proj(self, cfg):
-        return self._made("qkv_proj", type("MyQKV", (QKVLinear,), {})(cfg.hidden_size, cfg.head_dim,
-                          cfg.num_attention_heads, cfg.num_key_value_heads, bias=cfg.qkv_bias))
+    def qkv_proj(self, cfg, prefix):
+        return self._made("qkv_proj", prefix, type("MyQKV", (QKVLinear,), {})(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.qkv_bias,
+            prefix=prefix))
 
-    def o_proj(self, cfg):
-        return self._made("o_proj", super().o_proj(cfg))
+    def o_proj(self, cfg, prefix):
+        return self._made("o_proj", prefix, super().o_proj(cfg, prefix))
 
-    def gate_up_proj(self, cfg):
-        return self._made("gate_up_proj", super().gate_up_proj(cfg))
+    def gate_up_proj(self, cfg, prefix):
+        return self._made("gate_up_proj", prefix, super().gate_up_proj(cfg, prefix))
 
-    def down_proj(self, cfg):
-        return self._made("down_proj", super().down_proj(cfg))
+    def down_proj(self, cfg, prefix):
+        return self._made("down_proj", prefix, super().down_proj(cfg, prefix))
 
-    def mlp(self, cfg, layer_idx):
-        return self._made("mlp", super().mlp(cfg, layer_idx))
+    def mlp(self, cfg, layer_idx, prefix):
+        return self._made("mlp", prefix, super().mlp(cfg, layer_idx, prefix))
 
-    def embed_tokens(self, cfg):
-        return self._made("embed_tokens", super().embed_tokens(cfg))
+    def embed_tokens(self, cfg, prefix):
+        return self._made("embed_tokens", prefix, super().embed_tokens(cfg, prefix))
 
-    def lm_head(self, cfg):
-        return self._made("lm_head", super().lm_head(cfg))
+    def lm_head(self, cfg, prefix):
+        return self._made("lm_head", prefix, super().lm_head(cfg, prefix))
 
 
-class DoubledDown(LayerFactory):
-    """A factory that changes one layer: the MLP's down projection returns twice its output."""
+class DoubledDown(WrappedLayers):
+    """A factory that changes one layer of another: the MLP's down projection returns twice its output."""
 
-    def down_proj(self, cfg):
+    def down_proj(self, cfg, prefix):
         class Doubled(Linear):
             def forward(self, x):
                 return 2 * super().forward(x)
 
-        return Doubled(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        return Doubled(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, self.quant_config, prefix)
 
 
 def logits(model, ids):
@@ -80,8 +90,10 @@ def test_a_factory_builds_every_replaceable_layer(tmp_path):
     factory = Recording()
     model = load_model(path, CPU, torch.float32, layers=factory)
     n = load_config(path).num_hidden_layers
-    assert sorted(factory.calls) == sorted(["embed_tokens", "lm_head"] + ["qkv_proj", "o_proj", "mlp",
-                                           "gate_up_proj", "down_proj"] * n)
+    per_layer = [("qkv_proj", "self_attn.qkv_proj"), ("o_proj", "self_attn.o_proj"), ("mlp", "mlp"),
+                 ("gate_up_proj", "mlp.gate_up_proj"), ("down_proj", "mlp.down_proj")]
+    assert sorted(factory.calls) == sorted([("embed_tokens", "model.embed_tokens"), ("lm_head", "lm_head")]
+                                           + [(k, f"model.layers.{i}.{p}") for i in range(n) for k, p in per_layer])
     made = [m for m in model.modules() if getattr(m, "made_by", None) == "recording"]
     assert len(made) == len(factory.calls)
     assert all(type(layer.self_attn.qkv_proj).__name__ == "MyQKV" for layer in model.layers)
@@ -92,5 +104,42 @@ def test_a_factory_builds_every_replaceable_layer(tmp_path):
 def test_the_model_really_uses_the_factory(tmp_path):
     path = tiny_checkpoint(tmp_path)
     ids = torch.tensor([3, 1, 4, 1, 5])
-    assert not torch.allclose(logits(load_model(path, CPU, torch.float32, layers=DoubledDown()), ids),
+    doubled = DoubledDown(LayerFactory())
+    assert not torch.allclose(logits(load_model(path, CPU, torch.float32, layers=doubled), ids),
                               logits(load_model(path, CPU, torch.float32), ids))
+
+
+def test_a_weight_format_of_its_own_loads_and_computes_the_dense_model(tmp_path):
+    path = tiny_checkpoint(tmp_path)
+    config = TransposedConfig()
+    model = load_model(path, CPU, torch.float64, layers=LayerFactory(config))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.weight.shape == (m.input_size, m.output_size) for m in linears)  # transposed
+    assert sorted(config.prefixes) == sorted(m.prefix for m in linears)  # every layer asked, by its name
+    assert all(m.post_loads.item() == 1 and m.post_loads.dtype == torch.int32 for m in linears)
+    ids = torch.tensor([1, 5, 9, 33, 2])
+    torch.testing.assert_close(logits(model, ids), logits(load_model(path, CPU, torch.float64), ids),
+                               rtol=0, atol=1e-12)
+
+
+def test_a_format_chosen_by_prefix_and_dummy_weights_spare_integers(tmp_path):
+    path = tiny_checkpoint(tmp_path)
+    model = load_model(path, CPU, torch.float32, load_format="dummy",
+                       layers=LayerFactory(TransposedConfig(parts=("mlp.down_proj",))))
+    formatted = [m.prefix for m in model.modules() if hasattr(m, "post_loads")]
+    assert formatted == [f"model.layers.{i}.mlp.down_proj" for i in range(load_config(path).num_hidden_layers)]
+    for m in model.modules():
+        if hasattr(m, "post_loads"):
+            assert m.weight.abs().max() > 0 and m.post_loads.item() == 1  # random floats, counter intact
+
+
+def test_merged_slices_follow_a_packed_output_dim():
+    """q, k and v of a parameter that packs 4 output rows per element land in its quarter-rows."""
+    layer = QKVLinear(8, 4, 4, 2)  # q: 16 rows, k: 8, v: 8
+    packed = nn.Parameter(torch.zeros(8, 8), requires_grad=False)  # 32 rows / 4
+    set_weight_attrs(packed, {"output_dim": 0, "packed_dim": 0, "packed_factor": 4})
+    layer.weight_loader(packed, torch.full((2, 8), 2.0), "k")
+    assert packed[4:6].eq(2).all() and packed[:4].eq(0).all() and packed[6:].eq(0).all()
+    gate_up = MergedLinear(8, [12, 12])
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gate_up.weight_loader(gate_up.weight, torch.zeros(11, 8), 1)
