@@ -68,6 +68,11 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata={
         "help": "CPU threads of each worker process (default: the cores divided among the "
                 "node's ranks)"})
+    execute_model_timeout_s: float = field(default=300.0, metadata={
+        "help": "most seconds a step may take in the workers before the engine declares them failed"})
+    engine_ready_timeout_s: float = field(default=600.0, metadata={
+        "help": "most seconds the workers (and, with data parallelism, the engines) may take to load "
+                "the model and say ready"})
     use_triton: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on "
                                                             "cuda) or the torch reference"})
 

@@ -88,9 +88,9 @@ class LLMEngine:
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
-                                          config.num_speculative_tokens, self.max_model_len)
+                                          config.num_speculative_tokens)
         elif config.speculative_method == "draft_model":  # the model drafts inside the step
-            self.proposer = DraftSlots(config.num_speculative_tokens, self.max_model_len)
+            self.proposer = DraftSlots(config.num_speculative_tokens)
         self.uses_draft_model = config.speculative_method == "draft_model"
         self.spec_decoding_stats = SpecDecodingStats(config.num_speculative_tokens) if self.proposer else None
         self._last_rows: dict[str, int] = {}  # seq_id -> its row in the newest launched step
@@ -172,14 +172,15 @@ class LLMEngine:
                 self._propose_drafts()
             out = self.scheduler.schedule()
             if out.scheduled:
-                future = self.executor.execute_batch(self._batch_entries(out), out.finished_seq_ids)
+                future = self.executor.execute_batch(self._batch_entries(out), out.finished_seq_ids,
+                                                     out.kv_connector_metadata)
                 self.batch_queue.append((out, future))
                 if len(self.batch_queue) < self.max_steps_in_flight:
                     return []  # launch the next step before waiting for this one
         if not self.batch_queue:
             return []
         out, future = self.batch_queue.popleft()
-        return self._update_from_output(out, future.result())
+        return self._update_from_output(out, future.result().sampled)
 
     def _propose_drafts(self) -> None:
         """Drafts for every decoding sequence, at most what it may still generate minus the one
@@ -188,9 +189,12 @@ class LLMEngine:
             seq.spec_token_ids = []
             if self.scheduler.is_prefilling(seq) or seq.num_output_placeholders:
                 continue
+            # Verifying d drafts may append d + 1 tokens: within the model's length and max_tokens.
+            room = self.max_model_len - seq.num_tokens - 1
             max_tokens = seq.request.params.max_tokens
-            room = self.max_model_len if max_tokens is None else max_tokens - seq.num_output_tokens - 1
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids)[:max(room, 0)]
+            if max_tokens is not None:
+                room = min(room, max_tokens - seq.num_output_tokens - 1)
+            seq.spec_token_ids = self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def _batch_entries(self, out: SchedulerOutput) -> list[SequenceBatchEntry]:
         kv, entries, rows = self.kv_cache_manager, [], {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,7 +34,8 @@ from shared.weights import load_config, load_model, resolve_model_path
 from .config import EngineConfig
 from .draft_model import DraftModelProposer, sample_drafts
 from .kv_cache_manager import num_blocks_for_budget
-from .paged_attention import PagedAttention, PagedAttentionMetadata
+from .attention_metadata import PagedAttentionMetadata
+from .paged_attention import PagedAttention
 from .rejection_sampler import RejectionOutput, RejectionSampler, SpecDecodeMetadata
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -108,6 +110,15 @@ class ModelInput:
     rows: list[SamplingRow]  # of the S sequences that sample
     prev_rows: list[int | None]  # of the same S, as in SequenceBatchEntry
     spec: SpecInput | None = None  # some sequence verifies drafts this step, or a draft model runs
+    kv_connector_metadata: Any = None  # what a KV connector's scheduler side sends this step (parts 12-13)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """A step's results: the sampled tokens, and what a KV connector reports (the requests whose
+    KV finished sending or arriving; parts 12-13), which the engine hands to its scheduler."""
+    sampled: SampledBatch | RejectionOutput
+    kv_connector_output: Any = None
 
 
 class ModelRunner:
@@ -142,9 +153,10 @@ class ModelRunner:
                 self.block_size, self.device, self.dtype, config.speculative_model,
                 config.speculative_draft_layers, config.load_format, config.use_triton)
         self.prev_sampled_token_ids: torch.Tensor | None = None
+        self.kv_connector = None  # register_kv_connector
         self.timeline: list[tuple[float, float]] | None = None  # (start, end) of each step, when on
 
-    def prepare_inputs(self, batch: list[SequenceBatchEntry]) -> ModelInput:
+    def prepare_inputs(self, batch: list[SequenceBatchEntry], kv_connector_metadata: Any = None) -> ModelInput:
         """The host half of a step: flatten the batch into tensors on the device."""
         ids, positions, seq_lens, query_lens, slots, prev, last = [], [], [], [], [], [], []
         for e in batch:
@@ -172,7 +184,8 @@ class ModelRunner:
             spec = self._prepare_spec(batch, sampling, tensor)
         return ModelInput(tensor(ids), tensor(positions), meta, tensor(last),
                           tensor(slots) if slots else None, tensor(prev) if prev else None,
-                          [e.sampling for e in sampling], [e.prev_row for e in sampling], spec)
+                          [e.sampling for e in sampling], [e.prev_row for e in sampling], spec,
+                          kv_connector_metadata)
 
     def _prepare_spec(self, batch: list[SequenceBatchEntry], sampling: list[SequenceBatchEntry],
                       tensor) -> SpecInput:
@@ -218,9 +231,29 @@ class ModelRunner:
         return passes
 
     @torch.inference_mode()
-    def execute_model(self, inp: ModelInput) -> SampledBatch | RejectionOutput:
+    def register_kv_connector(self, connector) -> None:
+        """Hand a KV connector (parts 12-13: a host tier, a transfer to another engine) this process's
+        KV cache tensors; from then on every step binds the connector's metadata, lets it start its
+        loads before the forward pass and collect its finished transfers after it."""
+        self.kv_connector = connector
+        connector.register_kv_caches(self.attn.k_cache, self.attn.v_cache)
+
+    def execute_model(self, inp: ModelInput) -> ModelRunnerOutput:
         """The device half: fill in the previous step's tokens, run the model, sample. The
         sampled ids stay on the device (the next step reads them there)."""
+        connector = self.kv_connector
+        if connector is not None:
+            connector.bind_connector_metadata(inp.kv_connector_metadata)
+            connector.start_load_kv()
+        sampled = self._forward_and_sample(inp)
+        kv_out = None
+        if connector is not None:
+            connector.wait_for_save()
+            kv_out = connector.get_finished()
+            connector.clear_connector_metadata()
+        return ModelRunnerOutput(sampled, kv_out)
+
+    def _forward_and_sample(self, inp: ModelInput) -> SampledBatch | RejectionOutput:
         start = time.perf_counter()
         input_ids = inp.input_ids
         if inp.placeholder_slots is not None:

@@ -68,6 +68,11 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata={
         "help": "CPU threads of each worker process (default: the cores divided among the "
                 "node's ranks)"})
+    execute_model_timeout_s: float = field(default=300.0, metadata={
+        "help": "most seconds a step may take in the workers before the engine declares them failed"})
+    engine_ready_timeout_s: float = field(default=600.0, metadata={
+        "help": "most seconds the workers (and, with data parallelism, the engines) may take to load "
+                "the model and say ready"})
     data_parallel_size: int = field(default=1, metadata={
         "help": "engine-core processes behind the API server, each a whole engine (>1: the server "
                 "routes requests among them)"})
@@ -80,6 +85,12 @@ class EngineConfig:
         "help": "the API server's address for engine traffic (engines on other hosts connect to it)"})
     data_parallel_rpc_port: int | None = field(default=None, metadata={
         "help": "the first of the two ports engines connect to (default: free ports, one host only)"})
+    engine_heartbeat_timeout_s: float = field(default=30.0, metadata={
+        "help": "an engine core silent this long after it said ready is declared dead (its requests "
+                "get a 503)"})
+    multiprocess_engine_core: bool = field(default=False, metadata={
+        "help": "with one engine: run it in a process of its own behind the API server (vLLM V1's "
+                "layout; off: in the server's process, faster on a small CPU)"})
     routing_policy: str = field(default="least_loaded", metadata={
         "help": "round_robin, least_loaded (4 x waiting + running) or cache_aware (longest cached "
                 "prefix, unless the load is imbalanced)"})

@@ -34,9 +34,10 @@ class Executor:
         self.max_model_len, self.num_blocks = runner.max_model_len, runner.num_blocks
         self.block_size, self.device = runner.block_size, runner.device
 
-    def execute_batch(self, batch: list[SequenceBatchEntry], finished_seq_ids: list[str]) -> Future:
+    def execute_batch(self, batch: list[SequenceBatchEntry], finished_seq_ids: list[str],
+                      kv_connector_metadata=None) -> Future:
         """Prepare the step's inputs here (the engine's thread) and launch it."""
-        return self.execute_model(self.runner.prepare_inputs(batch))
+        return self.execute_model(self.runner.prepare_inputs(batch, kv_connector_metadata))
 
     def execute_model(self, model_input: ModelInput) -> Future:
         future: Future = Future()

@@ -8,8 +8,11 @@ flags, or else from the environment names that torchrun and cluster launchers se
 MASTER_PORT, NNODES, NODE_RANK or torchrun's GROUP_RANK).
 
 Two process groups: the device group carries the model's all-reduces and all-gathers (gloo on CPU,
-NCCL on GPUs); a gloo group on the CPU carries the engine's control messages (each step's
-scheduling data, broadcast by rank 0), which are Python objects, not tensors.
+NCCL on GPUs); a gloo group on the CPU carries the start-up's control messages (Python objects, not
+tensors). The steps themselves do not travel through torch.distributed: the driver publishes each
+one on a ZeroMQ socket every rank subscribes to (worker.py), so an idle server leaves no collective
+waiting, and every collective can have a short timeout: a hung or vanished rank surfaces as an
+error within `execute_model_timeout_s` instead of a hang.
 
 In vLLM: vllm/distributed/parallel_state.py (GroupCoordinator: device_group and cpu_group)."""
 from __future__ import annotations
@@ -30,6 +33,10 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    # The driver's ZeroMQ ports: steps out to every rank, results (and errors) back. Several nodes:
+    # the two ports after master_port; one node: free ones.
+    broadcast_port: int = 0
+    result_port: int = 0
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
@@ -54,6 +61,14 @@ class ParallelConfig:
     def init_method(self) -> str:
         return f"tcp://{self.master_addr}:{self.master_port}"
 
+    @property
+    def broadcast_addr(self) -> str:
+        return f"tcp://{self.master_addr}:{self.broadcast_port}"
+
+    @property
+    def result_addr(self) -> str:
+        return f"tcp://{self.master_addr}:{self.result_port}"
+
     @classmethod
     def resolve(cls, tensor_parallel_size: int, nnodes: int | None = None, node_rank: int | None = None,
                 master_addr: str | None = None, master_port: int | None = None) -> "ParallelConfig":
@@ -67,8 +82,8 @@ class ParallelConfig:
         if not master_port:
             if nnodes > 1:
                 raise ValueError("a group over several nodes needs --master-port (or MASTER_PORT)")
-            master_port = free_port()
-        return cls(tensor_parallel_size, nnodes, node_rank, master_addr, master_port)
+            return cls(tensor_parallel_size, nnodes, node_rank, master_addr, free_port(), free_port(), free_port())
+        return cls(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, master_port + 1, master_port + 2)
 
 
 def free_port() -> int:
@@ -77,13 +92,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Ranks other than 0 wait in a broadcast for the next step, however long the server stays idle.
-CONTROL_TIMEOUT = timedelta(days=30)
-
-
-def init_distributed(config: ParallelConfig, rank: int, device: torch.device) -> dist.ProcessGroup:
-    """Join the group as `rank` (the device group becomes the default one); returns the CPU group
-    for control messages."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=config.init_method,
-                            rank=rank, world_size=config.tensor_parallel_size)
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+def init_distributed(parallel: ParallelConfig, rank: int, device: torch.device, config) -> dist.ProcessGroup:
+    """Join the group as `rank` (the device group becomes the default one, its collectives bounded
+    by the step timeout); returns the CPU group for start-up messages (bounded by the start-up
+    timeout: the other ranks may still be loading their shards)."""
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=parallel.init_method,
+                            rank=rank, world_size=parallel.tensor_parallel_size,
+                            timeout=timedelta(seconds=config.execute_model_timeout_s))
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.engine_ready_timeout_s))
