@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from shared.outputs import RequestOutput
+from shared.sampling_params import SamplingParams
 
 from .engine import LLMEngine, run_overlapped
 from .request import Request
@@ -35,8 +36,13 @@ class AsyncLLM:
         self.num_aborted = 0
         self._thread: threading.Thread | None = None
 
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     cache_salt: str | None = None) -> Request:
+        """Validate and build a request (InvalidRequestError: a 400)."""
+        return self.engine.make_request(prompt, params, request_id, cache_salt)
+
     @property
-    def error(self) -> Exception | None:
+    def dead_error(self) -> Exception | None:
         """Set once the engine cannot serve (a tensor-parallel worker died)."""
         return self.engine.executor.error
 
@@ -103,6 +109,8 @@ class AsyncLLM:
                 jobs.clear()
 
     def shutdown(self) -> None:
+        """Stop the engine loop, then the engine (its worker processes, with tensor parallelism)."""
         self._jobs.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.engine.shutdown()

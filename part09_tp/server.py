@@ -5,33 +5,33 @@ during a long generation, tokens stream as they are made, and a client that disc
 its generation. The prompts of one /v1/completions request are generated together, so
 continuous batching runs them in the same steps.
 
-    python -m part02_streaming.server [--model M] [--host 127.0.0.1] [--port 8000]
+    python -m partNN_<name>.server [--model M] [--host 127.0.0.1] [--port 8000]
 
 Tensor parallelism (part 09), one machine, and two (node 0 serves; node 1 runs ranks only):
 
-    python -m part09_tp.server --tensor-parallel-size 3
-    python -m part09_tp.server --tensor-parallel-size 4 --nnodes 2 --node-rank 0 \
+    python -m partNN_<name>.server --tensor-parallel-size 3
+    python -m partNN_<name>.server --tensor-parallel-size 4 --nnodes 2 --node-rank 0 \\
         --master-addr 10.0.0.1 --master-port 29500               # on 10.0.0.1
-    python -m part09_tp.server --tensor-parallel-size 4 --nnodes 2 --node-rank 1 \
+    python -m partNN_<name>.server --tensor-parallel-size 4 --nnodes 2 --node-rank 1 \\
         --master-addr 10.0.0.1 --master-port 29500 --headless    # on the other machine
-"""
+
+The app: `build_app` makes the FastAPI object and its state (the engine client, the response
+builder); the route handlers below read that state from the request; `streaming.py` holds the
+helpers that run a request to the end or interleave several into one stream."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import threading
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi import Request as HTTPRequest
 from sse_starlette import EventSourceResponse
 
-from shared.outputs import RequestOutput
-from shared.protocol import (ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
-                             CompletionStreamResponse, ErrorInfo, ErrorResponse)
+from shared.protocol import ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest, CompletionStreamResponse
 from shared.serving import OpenAIServing, error_response, install_error_handlers, new_request_id
 from shared.weights import served_model_name
 
@@ -40,153 +40,105 @@ from .config import EngineConfig
 from .llm import LLM
 from .multiproc_executor import WorkerDied, run_headless
 from .parallel_state import ParallelConfig
-from .request import Request
+from .streaming import interleave, run_to_end, stream_error
 
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
+ENGINE_ERRORS = (WorkerDied,)  # the engine failed: a 503, or a stream's last event
+router = APIRouter()
 
 
 def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
-    """The app; with engine_thread=False the caller must run app.state.async_llm.run_engine_loop()."""
-    engine = llm.engine
-    async_llm = AsyncLLM(engine)
+    """The app; with engine_thread=False the caller must run app.state.engine_client.run_engine_loop()."""
+    client = AsyncLLM(llm.engine)
     if engine_thread:
-        async_llm.start()
-    serving = OpenAIServing(engine.tokenizer, model_name, engine.max_model_len)
+        client.start()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        async_llm.shutdown()
+        client.shutdown()
 
-    app = FastAPI(title="vllm-course part 02", lifespan=lifespan)
-    app.state.llm, app.state.async_llm = llm, async_llm
+    app = FastAPI(title=f"vllm-course {__package__}", lifespan=lifespan)
+    app.state.engine_client = client
+    app.state.serving = OpenAIServing(llm.engine.tokenizer, model_name, llm.engine.max_model_len)
     install_error_handlers(app)
-
-    @app.exception_handler(WorkerDied)
-    async def _worker_died(_: HTTPRequest, exc: WorkerDied):
-        return error_response(503, f"the engine has failed: {exc}", "server_error")
-
-    async def run_to_end(requests: list[Request], raw: HTTPRequest) -> list[RequestOutput]:
-        """Generate all to the end together (they batch); if the client goes away meanwhile,
-        abort them all (as a stream would)."""
-        async def drain(request: Request) -> None:
-            async for _ in async_llm.generate(request):
-                pass
-
-        tasks = [asyncio.ensure_future(drain(r)) for r in requests]
-        everything = asyncio.gather(*tasks)
-        try:
-            while not (await asyncio.wait({everything}, timeout=DISCONNECT_POLL_S))[0]:
-                if await raw.is_disconnected():
-                    everything.cancel()  # each generator's cleanup marks its request aborted
-                    break
-            try:
-                await everything  # engine errors surface here
-            except asyncio.CancelledError:
-                pass  # we cancelled it: nobody is left to read the reply
-        finally:
-            for t in tasks:  # one failed, or this handler was cancelled: stop the rest too
-                t.cancel()
-        return [r.output() for r in requests]
-
-    async def interleave(requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(request index, delta) of all the requests, in the order the engine makes them.
-        Cancelling the consumer (client disconnect) aborts every request."""
-        arrived: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, request: Request) -> None:
-            try:
-                async for delta in async_llm.generate(request):
-                    arrived.put_nowait((i, delta))
-                arrived.put_nowait((i, None))
-            except Exception as e:  # engine error: re-raised to the consumer
-                arrived.put_nowait((i, e))
-
-        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
-        left = len(requests)
-        try:
-            while left:
-                i, item = await arrived.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item is None:
-                    left -= 1
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    @app.get("/health")
-    async def health():
-        if async_llm.error is not None:  # a worker process died: this engine cannot serve
-            return error_response(503, f"the engine has failed: {async_llm.error}", "server_error")
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return serving.models()
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: HTTPRequest):
-        serving.check_model(req.model)
-        params = req.to_sampling_params()
-        requests = [engine.make_request(p, params, cache_salt=req.cache_salt) for p in req.prompts()]
-        if not req.stream:
-            return serving.completion_response(req, await run_to_end(requests, raw))
-
-        async def events() -> AsyncIterator[str]:
-            rid = new_request_id("cmpl")
-            try:
-                async for i, delta in interleave(requests):  # each chunk names its choice index
-                    for chunk in serving.completion_chunks(req, rid, i, delta):
-                        yield chunk.model_dump_json()
-            except WorkerDied as e:
-                yield stream_error(e)
-                return
-            if req.include_usage:
-                yield serving.usage_chunk(CompletionStreamResponse, rid,
-                                          [r.output() for r in requests]).model_dump_json()
-            yield "[DONE]"
-
-        return EventSourceResponse(events())
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: HTTPRequest):
-        serving.check_model(req.model)
-        request = engine.make_request(serving.chat_prompt(req), req.to_sampling_params(),
-                                      cache_salt=req.cache_salt)
-        if not req.stream:
-            return serving.chat_response(req, (await run_to_end([request], raw))[0])
-
-        async def events() -> AsyncIterator[str]:
-            rid, first = new_request_id("chatcmpl"), True
-            try:
-                async for delta in async_llm.generate(request):
-                    for chunk in serving.chat_chunks(req, rid, delta, first):
-                        yield chunk.model_dump_json()
-                    first = False
-            except WorkerDied as e:
-                yield stream_error(e)
-                return
-            if req.include_usage:
-                yield serving.usage_chunk(ChatCompletionStreamResponse, rid, [request.output()]).model_dump_json()
-            yield "[DONE]"
-
-        return EventSourceResponse(events())
-
+    for error in ENGINE_ERRORS:
+        app.add_exception_handler(error, _engine_failed)
+    app.include_router(router)
     return app
 
 
-def stream_error(exc: Exception) -> str:
-    """An engine failure after a stream has begun (its 200 is sent): OpenAI's error object as the
-    last event, so the client raises instead of waiting or taking a cut stream for a whole one."""
-    info = ErrorInfo(message=f"the engine serving this request has failed: {exc}", type="server_error", code=503)
-    return ErrorResponse(error=info).model_dump_json()
+async def _engine_failed(_: HTTPRequest, exc: Exception):
+    return error_response(503, f"the engine has failed: {exc}", "server_error")
+
+
+@router.get("/health")
+async def health(raw: HTTPRequest):
+    error = raw.app.state.engine_client.dead_error
+    if error is not None:  # a worker process died: this engine cannot serve
+        return error_response(503, f"the engine has failed: {error}", "server_error")
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(raw: HTTPRequest):
+    return raw.app.state.serving.models()
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, raw: HTTPRequest):
+    client, serving = raw.app.state.engine_client, raw.app.state.serving
+    serving.check_model(req.model)
+    params = req.to_sampling_params()
+    requests = [client.make_request(p, params, cache_salt=req.cache_salt) for p in req.prompts()]
+    if not req.stream:
+        return serving.completion_response(req, await run_to_end(client, requests, raw))
+
+    async def events() -> AsyncIterator[str]:
+        rid = new_request_id("cmpl")
+        whole = [None] * len(requests)
+        try:
+            async for i, delta, so_far in interleave(client, requests):  # each chunk names its choice
+                whole[i] = so_far
+                for chunk in serving.completion_chunks(req, rid, i, delta):
+                    yield chunk.model_dump_json()
+        except ENGINE_ERRORS as e:
+            yield stream_error(e)
+            return
+        if req.include_usage:
+            yield serving.usage_chunk(CompletionStreamResponse, rid, whole).model_dump_json()
+        yield "[DONE]"
+
+    return EventSourceResponse(events())
+
+
+@router.post("/v1/chat/completions")
+async def chat(req: ChatCompletionRequest, raw: HTTPRequest):
+    client, serving = raw.app.state.engine_client, raw.app.state.serving
+    serving.check_model(req.model)
+    request = client.make_request(serving.chat_prompt(req), req.to_sampling_params(), cache_salt=req.cache_salt)
+    if not req.stream:
+        return serving.chat_response(req, (await run_to_end(client, [request], raw))[0])
+
+    async def events() -> AsyncIterator[str]:
+        rid, first, whole = new_request_id("chatcmpl"), True, None
+        try:
+            async for _, delta, whole in interleave(client, [request]):
+                for chunk in serving.chat_chunks(req, rid, delta, first):
+                    yield chunk.model_dump_json()
+                first = False
+        except ENGINE_ERRORS as e:
+            yield stream_error(e)
+            return
+        if req.include_usage:
+            yield serving.usage_chunk(ChatCompletionStreamResponse, rid, [whole]).model_dump_json()
+        yield "[DONE]"
+
+    return EventSourceResponse(events())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.replace("partNN_<name>", __package__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
@@ -204,23 +156,27 @@ def main(argv: list[str] | None = None) -> None:
             config.tensor_parallel_size, config.nnodes, config.node_rank, config.master_addr, config.master_port)))
     llm = LLM(**config.to_dict())
     app = build_app(llm, args.served_model_name or served_model_name(args.model), engine_thread=False)
-    # The engine keeps the main thread (where the model was loaded: the fast place for PyTorch on
-    # CPU); the event loop, which only moves bytes, runs on a second thread.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    serve(app, args.host, args.port)
+
+
+def serve(app: FastAPI, host: str, port: int) -> None:
+    """The engine keeps the main thread (where the model was loaded: the fast place for PyTorch on
+    CPU); the event loop, which only moves bytes, runs on a second thread."""
+    client = app.state.engine_client
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()
     try:
         while not server.started and http.is_alive():
             time.sleep(0.05)
         if http.is_alive():
-            app.state.async_llm.run_engine_loop()  # until the app's shutdown stops it
+            client.run_engine_loop()  # until the app's shutdown stops it
     except KeyboardInterrupt:
         pass
     finally:
         server.should_exit = True
         http.join(timeout=10)
-        llm.engine.shutdown()
-
+        client.shutdown()
 
 
 if __name__ == "__main__":

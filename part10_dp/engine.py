@@ -26,14 +26,15 @@ import threading
 from collections import deque
 
 from shared.outputs import RequestOutput
-from shared.sampler import SamplerOutput, SamplingRow
-from shared.sampling_params import SamplingParams
+from shared.output_processor import CompletionState
+from shared.sampler import SamplerOutput, SamplingRow, make_generators
 from shared.tokenizer import Tokenizer
 
 from .config import EngineConfig
 from .draft_model import DraftSlots
 from .executor import Executor, make_executor
 from .input_processor import InputProcessor
+from .messages import EngineCoreRequest
 from .kv_cache_manager import KVCacheManager
 from .model_runner import SequenceBatchEntry
 from .ngram_proposer import NgramProposer
@@ -86,31 +87,36 @@ class LLMEngine:
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
-                                          config.num_speculative_tokens, self.max_model_len)
+                                          config.num_speculative_tokens)
         elif config.speculative_method == "draft_model":  # the model drafts inside the step
-            self.proposer = DraftSlots(config.num_speculative_tokens, self.max_model_len)
+            self.proposer = DraftSlots(config.num_speculative_tokens)
         self.uses_draft_model = config.speculative_method == "draft_model"
         self.spec_decoding_stats = SpecDecodingStats(config.num_speculative_tokens) if self.proposer else None
         self._last_rows: dict[str, int] = {}  # seq_id -> its row in the newest launched step
         self.requests: dict[str, Request] = {}
         self.processor = InputProcessor(self.tokenizer, ex.model_config, self.max_model_len, ex.num_blocks,
-                                        ex.block_size, ex.device)
+                                        ex.block_size)
         self.eos_token_ids = self.processor.eos_token_ids
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None, cache_salt: str | None = None) -> Request:
-        return self.processor.make_request(prompt, params, request_id, cache_salt)
-
-    def add_request(self, request: Request) -> None:
+    def add_request(self, core: EngineCoreRequest) -> Request:
+        """Take a validated request (InputProcessor's): build its sequences, detokenizer states and
+        seeded generators here, where it runs, and queue it."""
+        params = core.sampling_params
+        completions = [CompletionState(i, params, self.tokenizer, core.prompt_token_ids, self.eos_token_ids,
+                                       self.max_model_len) for i in range(params.n)]
+        request = Request(core.request_id, core.prompt, core.prompt_token_ids, params, completions,
+                          make_generators(params.seed, params.n, self.executor.device), cache_salt=core.cache_salt)
         self.requests[request.request_id] = request
         for seq in request.sequences:
             self.scheduler.add(seq)
+        return request
 
-    def abort_request(self, request: Request) -> None:
-        for seq in request.sequences:
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks (nothing happens if it has finished already)."""
+        request = self.requests.pop(request_id, None)
+        for seq in request.sequences if request is not None else ():
             seq.state.abort()
             self.scheduler.finish(seq)
-        self.requests.pop(request.request_id, None)
 
     @property
     def prefix_cache_stats(self):
@@ -132,14 +138,15 @@ class LLMEngine:
                 self._propose_drafts()
             out = self.scheduler.schedule()
             if out.scheduled:
-                future = self.executor.execute_batch(self._batch_entries(out), out.finished_seq_ids)
+                future = self.executor.execute_batch(self._batch_entries(out), out.finished_seq_ids,
+                                                     out.kv_connector_metadata)
                 self.batch_queue.append((out, future))
                 if len(self.batch_queue) < self.max_steps_in_flight:
                     return []  # launch the next step before waiting for this one
         if not self.batch_queue:
             return []
         out, future = self.batch_queue.popleft()
-        return self._update_from_output(out, future.result())
+        return self._update_from_output(out, future.result().sampled)
 
     def _propose_drafts(self) -> None:
         """Drafts for every decoding sequence, at most what it may still generate minus the one
@@ -148,9 +155,12 @@ class LLMEngine:
             seq.spec_token_ids = []
             if self.scheduler.is_prefilling(seq) or seq.num_output_placeholders:
                 continue
+            # Verifying d drafts may append d + 1 tokens: within the model's length and max_tokens.
+            room = self.max_model_len - seq.num_tokens - 1
             max_tokens = seq.request.params.max_tokens
-            room = self.max_model_len if max_tokens is None else max_tokens - seq.num_output_tokens - 1
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids)[:max(room, 0)]
+            if max_tokens is not None:
+                room = min(room, max_tokens - seq.num_output_tokens - 1)
+            seq.spec_token_ids = self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def _batch_entries(self, out: SchedulerOutput) -> list[SequenceBatchEntry]:
         kv, entries, rows = self.kv_cache_manager, [], {}
@@ -231,11 +241,10 @@ class LLMEngine:
         known_end = seq.num_computed_tokens - num_drafts  # before the rejected drafts roll back
         seq.num_draft_computed = known_end + (min(num_accepted, num_drafts - 1) if num_drafts else 0)
 
-    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+    def generate(self, core_requests: list[EngineCoreRequest]) -> list[RequestOutput]:
         """Run the requests to the end. With async scheduling, this thread becomes the worker
         (it runs the model) and the engine core steps on a second thread."""
-        for r in requests:
-            self.add_request(r)
+        requests = [self.add_request(r) for r in core_requests]
         if self.max_steps_in_flight == 1:
             self._run_to_end()
         else:

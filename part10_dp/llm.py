@@ -43,7 +43,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         # Validate every request before running any, so one bad prompt costs nothing.
-        requests = [self.engine.make_request(p, sp, cache_salt=salt) for (p, salt), sp in zip(prompts, params)]
+        requests = [self.engine.processor.process_inputs(p, sp, cache_salt=salt)
+                    for (p, salt), sp in zip(prompts, params)]
         return self.engine.generate(requests)
 
     def shutdown(self) -> None:

@@ -5,7 +5,10 @@ hands each new token to the loop with `call_soon_threadsafe`. (PyTorch releases 
 its kernels, so the loop stays responsive while the thread computes.) With continuous batching
 a request that arrives mid-generation joins the very next engine step. With async scheduling
 the engine is two threads: the worker runs the model, the engine core does everything else
-(taking requests, scheduling, detokenizing, handing out deltas) meanwhile."""
+(taking requests, scheduling, detokenizing, handing out deltas) meanwhile.
+
+From part 10 on it is one of the EngineClients a server can run on (engine_client.py): the one with
+no process hop, the default on a CPU."""
 from __future__ import annotations
 
 import asyncio
@@ -17,26 +20,29 @@ from typing import AsyncIterator
 from shared.outputs import RequestOutput
 
 from .engine import LLMEngine, run_overlapped
-from .request import Request
+from .engine_client import EngineClient
+from .messages import EngineCoreRequest
 
 
 @dataclass
 class _Job:
-    request: Request
+    request: EngineCoreRequest
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
+    aborted: bool = False  # its consumer left: the engine thread aborts it before its next step
 
 
-class AsyncLLM:
+class AsyncLLM(EngineClient):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self.tokenizer, self.max_model_len, self.processor = engine.tokenizer, engine.max_model_len, engine.processor
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self.num_unfinished = 0  # requests accepted and not yet done (queued or running)
         self.num_aborted = 0
         self._thread: threading.Thread | None = None
 
     @property
-    def error(self) -> Exception | None:
+    def dead_error(self) -> Exception | None:
         """Set once the engine cannot serve (a tensor-parallel worker died)."""
         return self.engine.executor.error
 
@@ -47,23 +53,22 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self.run_engine_loop, name="engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[RequestOutput]:
         """Yield a delta after every new token, until the request finishes. If the consumer
         stops early (client disconnect: the task is cancelled), the request is aborted."""
         job = _Job(request, asyncio.get_running_loop(), asyncio.Queue())
         self.num_unfinished += 1
         self._jobs.put(job)
+        finished = False
         try:
-            while True:
+            while not finished:
                 item = await job.outputs.get()
                 if isinstance(item, BaseException):
                     raise item
+                finished = item.finished
                 yield item
-                if item.finished:
-                    return
         finally:
-            if not request.finished:
-                request.aborted = True  # the engine thread sees it before its next token
+            job.aborted = not finished  # the engine thread sees it before its next token
             self.num_unfinished -= 1
 
     def run_engine_loop(self) -> None:
@@ -86,8 +91,8 @@ class AsyncLLM:
             for job in incoming:  # new requests join the very next step
                 jobs[job.request.request_id] = job
                 self.engine.add_request(job.request)
-            for job in [j for j in jobs.values() if j.request.aborted]:  # their clients left
-                self.engine.abort_request(job.request)
+            for job in [j for j in jobs.values() if j.aborted]:  # their clients left
+                self.engine.abort_request(job.request.request_id)
                 del jobs[job.request.request_id]
                 self.num_aborted += 1
             try:
@@ -98,11 +103,13 @@ class AsyncLLM:
                         del jobs[request.request_id]
             except Exception as e:  # surface engine errors to every waiting handler
                 for job in jobs.values():
-                    self.engine.abort_request(job.request)
+                    self.engine.abort_request(job.request.request_id)
                     job.loop.call_soon_threadsafe(job.outputs.put_nowait, e)
                 jobs.clear()
 
     def shutdown(self) -> None:
+        """Stop the engine loop, then the engine (its worker processes, with tensor parallelism)."""
         self._jobs.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.engine.shutdown()

@@ -26,6 +26,9 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+MAX_N = 128  # OpenAI's limit on choices per request (the engine's KV pool may allow fewer)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -62,6 +65,8 @@ class _SamplingRequest(BaseModel):
     cache_salt: str | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n > MAX_N:
+            raise InvalidRequestError(f"n must be at most {MAX_N}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true", "stream_options")
         if self.response_format is not None and self.response_format.get("type") != "text":

@@ -178,6 +178,20 @@ def llm04(llm_for):
     return llm_for("part04_continuous_batching")
 
 
+def build_app(part: str, llm, model_name: str):
+    """`part`'s server app over an LLM's engine. From part 10 on, servers take an EngineClient; the
+    in-process one (AsyncLLM) wraps the same engine."""
+    server = importlib.import_module(f"{part}.server")
+    if part_number(part) >= 10:
+        llm = importlib.import_module(f"{part}.async_llm").AsyncLLM(llm.engine)
+    return server.build_app(llm, model_name)
+
+
+def engine_client(app):
+    """What drives the app's engine: its AsyncLLM (parts 02-08) or its EngineClient (09 on)."""
+    return getattr(app.state, "engine_client", None) or app.state.async_llm
+
+
 def free_port() -> int:
     import socket
 

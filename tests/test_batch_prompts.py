@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import NEW_TOKENS, PLAIN_PROMPTS, num_kv_blocks, running_server
+from conftest import NEW_TOKENS, PLAIN_PROMPTS, engine_client, num_kv_blocks, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = dict(temperature=0, max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
@@ -27,7 +27,7 @@ def served(llm04):
 @pytest.fixture
 def running_sets(served, monkeypatch):
     """After every engine step: the request ids in the scheduler's running queue."""
-    engine = served[1].state.llm.engine
+    engine = engine_client(served[1]).engine
     seen: list[set[str]] = []
     step = engine.step
 
@@ -49,7 +49,7 @@ def alone(url: str, prompt: str) -> str:
 
 
 def wait_until_idle(app, aborted_before: int, expected_aborts: int) -> None:
-    async_llm, engine = app.state.async_llm, app.state.llm.engine
+    async_llm, engine = engine_client(app), engine_client(app).engine
     kv = engine.kv_cache_manager
 
     def idle() -> bool:
@@ -118,7 +118,7 @@ LONG = {"model": MODEL, "prompt": ["Tell me a long story.", "Write a long poem."
 
 def test_stream_disconnect_aborts_every_prompt(served):
     url, app = served
-    aborted_before = app.state.async_llm.num_aborted
+    aborted_before = engine_client(app).num_aborted
     seen = 0
     with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=120) as r:
         for line in r.iter_lines():
@@ -130,7 +130,7 @@ def test_stream_disconnect_aborts_every_prompt(served):
 
 def test_non_streaming_disconnect_aborts_every_prompt(served):
     url, app = served
-    aborted_before = app.state.async_llm.num_aborted
+    aborted_before = engine_client(app).num_aborted
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{url}/v1/completions", json=LONG, timeout=httpx.Timeout(60, read=1.0))
     wait_until_idle(app, aborted_before, len(LONG["prompt"]))

@@ -42,11 +42,22 @@ def tiny(tmp_path_factory):
 
 def dp_client(path, size: int = 2, **kw):
     from part10_dp.config import EngineConfig
-    from part10_dp.core_client import DPAsyncLLM
+    from part10_dp.core_client import DPAsyncMPClient
 
     kw = {"kv_cache_memory_mb": 4, **kw}
-    return DPAsyncLLM(EngineConfig(model=str(path), device="cpu", dtype="float32", data_parallel_size=size,
-                                   num_threads=1, **kw))
+    return DPAsyncMPClient(EngineConfig(model=str(path), device="cpu", dtype="float32", data_parallel_size=size,
+                                        num_threads=1, **kw))
+
+
+async def run_one(client, prompt, params):
+    """One request through an engine client, its deltas folded into the whole output."""
+    from shared.outputs import RequestOutput
+
+    r = client.process_inputs(prompt, params)
+    whole = RequestOutput(r.request_id, r.prompt, r.prompt_token_ids)
+    async for delta in client.generate(r):
+        whole.add(delta)
+    return whole
 
 
 def closed(client) -> bool:
@@ -110,14 +121,8 @@ def test_offline_outputs_identical_to_dp1_including_sampling(tiny):
     want = LLM(model=str(tiny), device="cpu", dtype="float32", kv_cache_memory_mb=4).generate(ps, params)
     client = dp_client(tiny, routing_policy="round_robin")
     try:
-        async def one(p):
-            r = client.make_request(p, params)
-            async for _ in client.generate(r):
-                pass
-            return r.output()
-
         async def run():
-            return await asyncio.gather(*[one(p) for p in ps])
+            return await asyncio.gather(*[run_one(client, p, params) for p in ps])
 
         got = asyncio.run(run())
         for g, w in zip(got, want):
@@ -134,7 +139,7 @@ def test_an_abort_reaches_the_engine_that_holds_the_request(tiny):
     client = dp_client(tiny, routing_policy="round_robin")
     try:
         async def start_and_leave(p):
-            r = client.make_request(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+            r = client.process_inputs(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
             gen = client.generate(r)
             await gen.__anext__()  # the request runs on its engine
             engine = client.jobs[r.request_id].engine
@@ -169,9 +174,7 @@ def hit_rate(tiny, policy: str) -> float:
     try:
         async def run():
             for p in tenant_workload():  # one after another: each finds what the last ones left
-                r = client.make_request(p, SamplingParams(temperature=0, max_tokens=2))
-                async for _ in client.generate(r):
-                    pass
+                await run_one(client, p, SamplingParams(temperature=0, max_tokens=2))
 
         asyncio.run(run())
         assert wait_for(lambda: sum(s.num_finished for s in client.coordinator.stats) == 32)
@@ -249,11 +252,7 @@ def test_an_engine_on_another_host_serves_its_share(tiny):
         assert list(client.procs) == [0]  # this host runs engine 0 only
 
         async def run():
-            async def one(p):
-                r = client.make_request(p, SamplingParams(**GREEDY))
-                async for _ in client.generate(r):
-                    pass
-            await asyncio.gather(*[one(p) for p in prompts(10)])
+            await asyncio.gather(*[run_one(client, p, SamplingParams(**GREEDY)) for p in prompts(10)])
 
         asyncio.run(run())
         assert wait_for(lambda: all(s.num_finished == 5 for s in client.coordinator.stats))
@@ -283,3 +282,193 @@ def test_bad_input_is_refused_by_the_api_server(tiny):
         assert wait_for(lambda: sum(s.num_finished for s in client.coordinator.stats) == 1)
     finally:
         assert closed(client)
+
+
+# ---- the engine-client layer's defences (step 7) ------------------------------------------------
+
+def test_engines_slower_to_load_than_the_silence_limit_serve(tiny):
+    """Silence counts from an engine's ready: a start-up longer than the limit (two engines spawning,
+    importing torch and loading on two cores take several seconds) is not a death."""
+    limit = 3.0
+    start = time.monotonic()
+    client = dp_client(tiny, engine_heartbeat_timeout_s=limit)
+    try:
+        startup = time.monotonic() - start
+        assert startup > limit, f"start-up took {startup:.1f} s: this test needs it longer than the limit"
+        time.sleep(limit + 1)  # long enough for a start-up wrongly counted as silence to kill them
+        assert not client.dead and client.dead_error is None
+
+        async def run():
+            return await asyncio.gather(*[run_one(client, p, SamplingParams(**GREEDY)) for p in prompts(4)])
+
+        assert all(o.finished for o in asyncio.run(run()))
+        assert not client.dead
+    finally:
+        assert closed(client)
+
+
+def test_a_broken_output_path_fails_every_request_and_health(tiny, caplog):
+    """A message the output thread cannot decode kills it: that must not leave requests hanging or
+    /health saying ok. In-flight requests end with a 503 (a stream with an error event)."""
+    import zmq
+
+    from part10_dp.messages import EngineCoreEventType
+    from part10_dp.server import build_app
+
+    client = dp_client(tiny, routing_policy="round_robin")
+    ctx = zmq.Context()
+    try:
+        with running_server(build_app(client, "tiny")) as url:
+            api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+            async def run():
+                long = dict(model="tiny", prompt=[1, 2, 3], temperature=0, max_tokens=480, extra_body={"ignore_eos": True})
+                tasks = [asyncio.ensure_future(api.completions.create(**long)),
+                         asyncio.ensure_future(_drain_stream(await api.completions.create(**long, stream=True)))]
+                while sum(s.running for s in client.coordinator.stats) < 2:
+                    await asyncio.sleep(0.01)
+                rogue = ctx.socket(zmq.PUSH)
+                rogue.connect(client.out.getsockopt_string(zmq.LAST_ENDPOINT))
+                rogue.send_multipart([EngineCoreEventType.OUTPUTS.value, b"\x00 not msgpack of EngineCoreOutputs"])
+                rogue.close(linger=1000)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+            with caplog.at_level("ERROR"):
+                results = asyncio.run(run())
+            assert isinstance(results[0], openai.APIStatusError) and results[0].status_code == 503
+            assert isinstance(results[1], openai.APIError) and "output path failed" in str(results[1])
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503 and "output path failed" in health.json()["error"]["message"]
+            assert not client.jobs and client.num_unfinished == 0
+            assert "output path failed" in caplog.text  # and it is logged
+    finally:
+        ctx.term()
+        assert closed(client)
+
+
+async def _drain_stream(stream) -> str:
+    return "".join([c.choices[0].text async for c in stream])
+
+
+def test_nothing_blocks_the_event_loop(tiny):
+    """generate() only routes and enqueues: even when every send to an engine takes a second (a full
+    high-water mark), the event loop keeps ticking."""
+    client = dp_client(tiny, routing_policy="round_robin")
+    original = client.inp.send_multipart
+
+    def slow_send(*args, **kwargs):
+        time.sleep(1.0)
+        return original(*args, **kwargs)
+
+    client.inp.send_multipart = slow_send
+    try:
+        async def run():
+            gaps, last, stop = [], time.monotonic(), asyncio.Event()
+
+            async def ticker():
+                nonlocal last
+                while not stop.is_set():
+                    await asyncio.sleep(0.01)
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+
+            tick = asyncio.ensure_future(ticker())
+            await asyncio.gather(*[run_one(client, p, SamplingParams(**GREEDY)) for p in prompts(3)])
+            stop.set()
+            await tick
+            return max(gaps)
+
+        assert asyncio.run(run()) < 0.5
+    finally:
+        client.inp.send_multipart = original
+        assert closed(client)
+
+
+def test_threads_are_shared_among_engines_and_their_ranks():
+    """DP x TP on one node: every compute process gets an even share of the cores, not all of them."""
+    from part10_dp.multiproc_executor import threads_per_process
+
+    assert threads_per_process(None, 16, 2 * 4) == 2  # 2 engines x 4 TP ranks on 16 cores
+    assert threads_per_process(None, 2, 2 * 2) == 1  # never zero
+    assert threads_per_process(3, 16, 8) == 3  # an explicit --num-threads wins
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process under `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killing_the_api_server_leaves_no_process_behind(tiny):
+    """kill -9 of a DP=2 server (one engine local with TP=2 workers, one headless on "another host"):
+    every engine and worker process ends by itself."""
+    port = _two_free_ports()
+    http = free_port()
+    common = ["--model", str(tiny), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-mb", "4",
+              "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(port),
+              "--num-threads", "1"]
+    server = subprocess.Popen([sys.executable, "-m", "part10_dp.server", *common, "--port", str(http),
+                               "--tensor-parallel-size", "2"])
+    headless = subprocess.Popen([sys.executable, "-m", "part10_dp.server", *common, "--data-parallel-start-rank", "1",
+                                 "--headless"])
+    procs: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None and headless.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        procs = _descendants(server.pid) | _descendants(headless.pid) | {headless.pid}
+        assert len(procs) >= 5  # engine 0 + 2 TP workers, the headless launcher + engine 1
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 40
+        while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in procs if _alive(p)]
+    finally:
+        for p in (server, headless):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for pid in procs:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _two_free_ports() -> int:
+    import socket
+
+    while True:
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue

@@ -220,6 +220,7 @@ def test_server_serves_moe_with_ep2(tmp_path):
     single process's, and no worker outlives the server."""
     import transformers
 
+    from part11_ep.async_llm import AsyncLLM
     from part11_ep.server import build_app
     from shared.tokenizer import TOKENIZER_FILES
     from shared.weights import embedded_model_path
@@ -234,7 +235,7 @@ def test_server_serves_moe_with_ep2(tmp_path):
     m = llm(path, tensor_parallel_size=2, enable_expert_parallel=True)
     procs = list(m.engine.executor.procs.values())
     try:
-        with running_server(build_app(m, "tiny-moe")) as url:
+        with running_server(build_app(AsyncLLM(m.engine), "tiny-moe")) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
             r = client.completions.create(model="tiny-moe", prompt="The capital of France is", max_tokens=10,
                                           temperature=0, extra_body={"ignore_eos": True})

@@ -231,7 +231,9 @@ def test_coordinator_counts_what_was_routed_since_each_report(monkeypatch):
 
     clock = [100.0]
     monkeypatch.setattr(coord.time, "monotonic", lambda: clock[0])
-    c = coord.Coordinator(2)
+    c = coord.Coordinator(2, silence_limit_s=30)
+    clock[0] += 100  # a long start-up: silence counts only from an engine's first word (its ready)
+    assert c.silent_engines() == []
     c.report(0, coord.EngineStats(waiting=1, running=2, prefix_queries=100, prefix_hits=25))
     c.report(1, coord.EngineStats(waiting=0, running=5, prefix_queries=100, prefix_hits=75))
     for _ in range(3):
@@ -241,6 +243,6 @@ def test_coordinator_counts_what_was_routed_since_each_report(monkeypatch):
     c.report(1, coord.EngineStats(waiting=1, running=7))  # the engine's report now includes them
     assert (c.loads()[1].waiting, c.loads()[1].running) == (1, 7)
     assert c.prefix_hit_rate == 25 / 100  # engine 1's new report has no lookups
-    clock[0] += coord.ENGINE_TIMEOUT_S + 1
+    clock[0] += 30 + 1
     c.heard(0)
     assert c.silent_engines() == [1]

@@ -9,7 +9,6 @@ engine is proven by the engine tests (test_parity.py and the part's own file), a
 server code over it needs only to be shown wired up. Every part gets the entry-point test."""
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -24,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ORACLE, PARTS, free_port, part_number, running_server
+from conftest import ORACLE, PARTS, build_app, engine_client, free_port, part_number, running_server
 from shared import course
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -38,7 +37,7 @@ def streams(part: str) -> bool:
 
 
 def serve(part: str, llm_for):
-    app = importlib.import_module(f"{part}.server").build_app(llm_for(part), MODEL)
+    app = build_app(part, llm_for(part), MODEL)
     return app, running_server(app)
 
 
@@ -144,6 +143,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hello " * 9000, "max_tokens": 1}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
@@ -310,7 +310,7 @@ def _wait_idle(async_llm, num_aborted: int | None = None, timeout: float = 30) -
 
 def test_health_answers_during_long_generation(streaming_server):
     url, app = streaming_server
-    aborted_before = app.state.async_llm.num_aborted
+    aborted_before = engine_client(app).num_aborted
     seen: list = []
     done = threading.Event()
     t = threading.Thread(target=_long_stream, args=(url, 200, seen, None, done), daemon=True)
@@ -325,13 +325,13 @@ def test_health_answers_during_long_generation(streaming_server):
     still_generating = t.is_alive()
     done.set()  # the client goes away; the rest of the 200 tokens are not worth waiting for
     t.join(timeout=120)
-    _wait_idle(app.state.async_llm, aborted_before + 1)  # its abort is counted before the next test counts
+    _wait_idle(engine_client(app), aborted_before + 1)  # its abort is counted before the next test counts
     assert still_generating and latency < 1.0
 
 
 def test_disconnect_aborts_generation(streaming_server):
     url, app = streaming_server
-    async_llm = app.state.async_llm
+    async_llm = engine_client(app)
     aborted_before = async_llm.num_aborted
     seen: list = []
     _long_stream(url, 2000, seen, stop_after=3)
@@ -396,7 +396,7 @@ def _end_process_group(proc: subprocess.Popen) -> None:
 
 def test_non_streaming_disconnect_aborts_too(streaming_server):
     url, app = streaming_server
-    async_llm = app.state.async_llm
+    async_llm = engine_client(app)
     aborted_before = async_llm.num_aborted
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
@@ -405,3 +405,26 @@ def test_non_streaming_disconnect_aborts_too(streaming_server):
     while (async_llm.num_unfinished or async_llm.num_aborted == aborted_before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert async_llm.num_unfinished == 0 and async_llm.num_aborted == aborted_before + 1
+
+
+# ---- part 11's server over two engine-core processes (data parallelism) -----------------------
+
+@pytest.fixture(scope="module")
+def dp2_server():
+    """The last part's server with DP=2: requests are validated in the API server, engines elsewhere."""
+    from part11_ep.config import EngineConfig
+    from part11_ep.core_client import DPAsyncMPClient
+    from part11_ep.server import build_app as build_part11
+
+    client = DPAsyncMPClient(EngineConfig(device="cpu", dtype="float32", kv_cache_memory_mb=64,
+                                          data_parallel_size=2, num_threads=1))
+    try:
+        with running_server(build_part11(client, MODEL)) as url:
+            yield url
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_input_on_a_dp2_server(dp2_server, path, body, status, param):
+    check_openai_error(dp2_server, path, body, status, param)
