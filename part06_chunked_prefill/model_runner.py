@@ -21,7 +21,8 @@ from shared.weights import load_config, load_model, resolve_model_path
 
 from .config import EngineConfig
 from .kv_cache_manager import num_blocks_for_budget
-from .paged_attention import PagedAttention, PagedAttentionMetadata
+from .attention_metadata import PagedAttentionMetadata
+from .paged_attention import PagedAttention
 
 DEFAULT_MAX_MODEL_LEN = 8192
 

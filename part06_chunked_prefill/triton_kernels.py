@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_attention import PagedAttentionMetadata
+from .attention_metadata import PagedAttentionMetadata
 
 
 @triton.jit

@@ -100,10 +100,16 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        kv = self.kv_cache_manager
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._schedule_waiting(out, budget)
+        self._advance(out)
+        return out
 
-        # 1. Running sequences, oldest first: the decodes, then the partly prefilled ones.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Step 1: the running sequences (preempting the newest when blocks run out); returns the
+        budget left."""
+        kv = self.kv_cache_manager
+        # Oldest first: the decodes, then the partly prefilled ones.
         decodes, prefills = [], []
         for s in self.running:
             (prefills if self.is_prefilling(s) else decodes).append(s)
@@ -131,8 +137,13 @@ class Scheduler:
                 taken.add(seq.seq_id)
                 budget -= num_new
 
-        # 2. Waiting sequences, FCFS; none on a step that had to preempt (memory is short). A
-        # sequence preempted with a token still in flight waits for that token first.
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Step 2: admit waiting sequences while seats, budget and blocks last."""
+        kv = self.kv_cache_manager
+        # FCFS; none on a step that had to preempt (memory is short). A sequence preempted with a
+        # token still in flight waits for that token first.
         admit = not out.preempted and (self.config.continuous_batching or not self.running)
         while admit and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
@@ -149,15 +160,15 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
 
-        # The step is as good as run: advance every scheduled sequence now. One whose step
-        # computes its last known token samples: count that token as a placeholder until its id
-        # reaches the host. A chunk that stops short of the end samples nothing.
+    def _advance(self, out: SchedulerOutput) -> None:
+        """Step 3: the step is as good as run: advance every scheduled sequence now. One whose step
+        computes its last known token samples: count that token as a placeholder until its id
+        reaches the host. A chunk that stops short of the end samples nothing."""
         for seq, num_new in out.scheduled:
             seq.num_computed_tokens += num_new
             samples = seq.num_computed_tokens == seq.num_tokens + seq.num_output_placeholders
             seq.num_output_placeholders += samples
             out.samples.append(samples)
-        return out
 
     def update_from_output(self, seq: Sequence) -> bool:
         """One sampled token of `seq` has reached the host. Returns True when it is to be kept;

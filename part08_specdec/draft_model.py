@@ -58,7 +58,7 @@ class DraftModelProposer:
                  num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  model: str | None = None, num_layers: int = 8, load_format: str = "auto",
                  use_triton: bool | None = None):
-        self.k, self.max_model_len = num_speculative_tokens, max_model_len
+        self.k = num_speculative_tokens
         if model is None:
             self.model = LayerTruncatedDraft(target, num_layers)
         else:
@@ -70,9 +70,9 @@ class DraftModelProposer:
         self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
                                    c.head_dim, dtype, device, use_triton=use_triton)
 
-    def propose(self, token_ids: list[int]) -> list[int]:
-        """k slots (0s) for drafts the step itself samples; fewer near the model's length."""
-        return [0] * max(0, min(self.k, self.max_model_len - len(token_ids) - 1))
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        """k slots (0s) for drafts the step itself samples; fewer when the budget is smaller."""
+        return [0] * max(0, min(self.k, max_drafts))
 
 
 def sample_drafts(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:

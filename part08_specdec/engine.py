@@ -83,7 +83,7 @@ class LLMEngine:
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
-                                          config.num_speculative_tokens, self.max_model_len)
+                                          config.num_speculative_tokens)
         elif config.speculative_method == "draft_model":
             self.proposer = self.runner.drafter
         self.spec_decoding_stats = SpecDecodingStats(config.num_speculative_tokens) if self.proposer else None
@@ -182,9 +182,12 @@ class LLMEngine:
             seq.spec_token_ids = []
             if self.scheduler.is_prefilling(seq) or seq.num_output_placeholders:
                 continue
+            # Verifying d drafts may append d + 1 tokens: within the model's length and max_tokens.
+            room = self.max_model_len - seq.num_tokens - 1
             max_tokens = seq.request.params.max_tokens
-            room = self.max_model_len if max_tokens is None else max_tokens - seq.num_output_tokens - 1
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids)[:max(room, 0)]
+            if max_tokens is not None:
+                room = min(room, max_tokens - seq.num_output_tokens - 1)
+            seq.spec_token_ids = self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def _batch_entries(self, out: SchedulerOutput) -> list[SequenceBatchEntry]:
         kv, entries, rows = self.kv_cache_manager, [], {}

@@ -28,7 +28,8 @@ from shared.weights import load_config, load_model, resolve_model_path
 from .config import EngineConfig
 from .draft_model import DraftModelProposer, sample_drafts
 from .kv_cache_manager import num_blocks_for_budget
-from .paged_attention import PagedAttention, PagedAttentionMetadata
+from .attention_metadata import PagedAttentionMetadata
+from .paged_attention import PagedAttention
 from .rejection_sampler import RejectionOutput, RejectionSampler, SpecDecodeMetadata
 
 DEFAULT_MAX_MODEL_LEN = 8192

@@ -5,7 +5,7 @@ during a long generation, tokens stream as they are made, and a client that disc
 its generation. The prompts of one /v1/completions request are generated together, so
 continuous batching runs them in the same steps.
 
-    python -m part02_streaming.server [--model M] [--host 127.0.0.1] [--port 8000]
+    python -m partNN_<name>.server [--model M] [--host 127.0.0.1] [--port 8000]
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
         yield
         async_llm.shutdown()
 
-    app = FastAPI(title="vllm-course part 02", lifespan=lifespan)
+    app = FastAPI(title=f"vllm-course {__package__}", lifespan=lifespan)
     app.state.llm, app.state.async_llm = llm, async_llm
     install_error_handlers(app)
 
@@ -155,7 +155,8 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.replace("partNN_<name>", __package__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)

@@ -57,12 +57,12 @@ class DraftSlots:
     """The engine's side of a draft model: it only needs to know how many slots to schedule. (With
     tensor parallelism the draft model lives in the worker processes, not in the engine's.)"""
 
-    def __init__(self, num_speculative_tokens: int, max_model_len: int):
-        self.k, self.max_model_len = num_speculative_tokens, max_model_len
+    def __init__(self, num_speculative_tokens: int):
+        self.k = num_speculative_tokens
 
-    def propose(self, token_ids: list[int]) -> list[int]:
-        """k slots (0s) for drafts the step itself samples; fewer near the model's length."""
-        return [0] * max(0, min(self.k, self.max_model_len - len(token_ids) - 1))
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        """k slots (0s) for drafts the step itself samples; fewer when the budget is smaller."""
+        return [0] * max(0, min(self.k, max_drafts))
 
 
 class DraftModelProposer(DraftSlots):
@@ -70,7 +70,7 @@ class DraftModelProposer(DraftSlots):
                  num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  model: str | None = None, num_layers: int = 8, load_format: str = "auto",
                  use_triton: bool | None = None):
-        super().__init__(num_speculative_tokens, max_model_len)
+        super().__init__(num_speculative_tokens)
         if model is None:
             self.model = LayerTruncatedDraft(target, num_layers)
         else:

@@ -17,26 +17,21 @@ import numpy as np
 
 
 class NgramProposer:
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int,
-                 max_model_len: int) -> None:
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"prompt_lookup_min={prompt_lookup_min}, prompt_lookup_max={prompt_lookup_max}")
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}")
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
         self.k = num_speculative_tokens
-        self.max_model_len = max_model_len
 
-    def propose(self, token_ids: Sequence[int] | np.ndarray) -> list[int]:
-        """Up to k draft tokens to follow `token_ids` (prompt + output so far); [] if no n-gram
-        of the allowed sizes recurs."""
-        # Verifying k drafts puts len + k tokens through the model and may append k + 1 of
-        # them: never let that pass the model's length.
-        budget = min(self.k, self.max_model_len - len(token_ids) - 1)
+    def propose(self, token_ids: Sequence[int] | np.ndarray, max_drafts: int) -> list[int]:
+        """Up to min(k, max_drafts) draft tokens to follow `token_ids` (prompt + output so far);
+        [] if no n-gram of the allowed sizes recurs. (The engine's budget keeps a verified run
+        within the model's length and the request's max_tokens.)"""
+        budget = min(self.k, max_drafts)
         if budget <= 0 or len(token_ids) < self.min_n + 1:
             return []
         tokens = np.asarray(token_ids)

@@ -1,6 +1,6 @@
 """Part 08's n-gram proposer (prompt lookup decoding) against hand-made sequences and a
 brute-force reference: the longest n-gram wins, the earliest occurrence wins, the suffix is never
-its own match, the proposal stops at the sequence's end and at max_model_len."""
+its own match, the proposal stops at the sequence's end and at the engine's budget."""
 from __future__ import annotations
 
 import random
@@ -11,13 +11,19 @@ import pytest
 from part08_specdec.ngram_proposer import NgramProposer
 
 
-def proposer(lo: int = 1, hi: int = 3, k: int = 4, max_model_len: int = 1000) -> NgramProposer:
-    return NgramProposer(lo, hi, k, max_model_len)
+class proposer(NgramProposer):
+    """A proposer whose budget is no limit unless a test gives one."""
+
+    def __init__(self, lo: int = 1, hi: int = 3, k: int = 4):
+        super().__init__(lo, hi, k)
+
+    def propose(self, tokens, max_drafts: int = 1000):
+        return super().propose(tokens, max_drafts)
 
 
-def reference(tokens: list[int], lo: int, hi: int, k: int, max_model_len: int) -> list[int]:
+def reference(tokens: list[int], lo: int, hi: int, k: int, max_drafts: int) -> list[int]:
     """The definition, spelled out position by position."""
-    budget = min(k, max_model_len - len(tokens) - 1)
+    budget = min(k, max_drafts)
     if budget <= 0:
         return []
     for n in range(hi, lo - 1, -1):
@@ -67,20 +73,19 @@ def test_min_and_max_bound_the_ngram_size():
     assert proposer(3, 3, k=2).propose(tokens) == [0, 2]
 
 
-def test_max_model_len_caps_the_proposal():
+def test_the_budget_caps_the_proposal():
     tokens = [1, 2, 3, 1, 2]  # [1, 2] matches at 0: [3, 1, 2] follows
-    assert proposer(k=3, max_model_len=9).propose(tokens) == [3, 1, 2]
-    assert proposer(k=3, max_model_len=8).propose(tokens) == [3, 1]  # 5 + 2 drafts + 1 bonus = 8
-    assert proposer(k=3, max_model_len=7).propose(tokens) == [3]
-    assert proposer(k=3, max_model_len=6).propose(tokens) == []  # room for one sampled token only
-    assert proposer(k=3, max_model_len=5).propose(tokens) == []
+    assert proposer(k=3).propose(tokens, 3) == [3, 1, 2]
+    assert proposer(k=3).propose(tokens, 2) == [3, 1]
+    assert proposer(k=3).propose(tokens, 1) == [3]
+    assert proposer(k=3).propose(tokens, 0) == []
 
 
 def test_accepts_numpy_input():
     assert proposer(k=2).propose(np.array([1, 2, 3, 1, 2])) == [3, 1]
 
 
-@pytest.mark.parametrize("args", [(0, 3, 4, 100), (3, 2, 4, 100), (1, 3, 0, 100), (1, 3, 4, 0)])
+@pytest.mark.parametrize("args", [(0, 3, 4), (3, 2, 4), (1, 3, 0)])
 def test_argument_validation(args):
     with pytest.raises(ValueError):
         NgramProposer(*args)
@@ -93,5 +98,5 @@ def test_matches_brute_force_reference():
         hi = rng.randint(lo, 5)
         k = rng.randint(1, 6)
         tokens = [rng.randrange(4) for _ in range(rng.randint(0, 40))]
-        max_len = rng.randint(1, 50)
-        assert NgramProposer(lo, hi, k, max_len).propose(tokens) == reference(tokens, lo, hi, k, max_len)
+        budget = rng.randint(0, 8)
+        assert NgramProposer(lo, hi, k).propose(tokens, budget) == reference(tokens, lo, hi, k, budget)

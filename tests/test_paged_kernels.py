@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from part03_paged_attention.kv_cache_manager import KVCacheManager, cdiv, compute_slot_mapping
-from part03_paged_attention.paged_attention import (PagedAttention, PagedAttentionMetadata,
-                                                    paged_attention_ref, reshape_and_cache_ref)
+from part03_paged_attention.attention_metadata import PagedAttentionMetadata
+from part03_paged_attention.paged_attention import PagedAttention, paged_attention_ref, reshape_and_cache_ref
 
 REPO = Path(__file__).resolve().parents[1]
 
