@@ -235,7 +235,6 @@ class ModelRunner:
                                     tensor(list(range(len(entries)))), [i for _, i in entries]))
         return passes
 
-    @torch.inference_mode()
     def register_kv_connector(self, connector) -> None:
         """Hand a KV connector (parts 12-13: a host tier, a transfer to another engine) this process's
         KV cache tensors; from then on every step binds the connector's metadata, lets it start its
@@ -243,6 +242,7 @@ class ModelRunner:
         self.kv_connector = connector
         connector.register_kv_caches(self.attn.k_cache, self.attn.v_cache)
 
+    @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> ModelRunnerOutput:
         """The device half: fill in the previous step's tokens, run the model, sample. The
         sampled ids stay on the device (the next step reads them there)."""
