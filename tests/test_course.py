@@ -1,8 +1,13 @@
 """The course tool: every carried-forward file is byte-identical unless its part declares the
-change, and `check` really catches drift."""
+change, and `check` really catches drift; lessons quote only what their notebooks measured; the
+build-it-yourself mode stubs exactly the named functions, and `grade` fails on the stubs and
+passes on the finished part."""
 from __future__ import annotations
 
+import ast
 import shutil
+
+import pytest
 
 from shared import course
 
@@ -17,9 +22,20 @@ def test_each_stage_diff_shows_its_technique():
     assert "paged_attention.py" not in stat  # carried forward unchanged
 
 
-def test_check_catches_an_undeclared_change(tmp_path):
-    for name in ("part01_simple_server", "part02_streaming"):
+def copy_parts(tmp_path, *names):
+    """Parts copied into tmp_path with what `check` reads beside them: their notebooks (the
+    lessons' figures) and the tests (their exercises name tests)."""
+    for name in names:
         shutil.copytree(course.ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+        (tmp_path / "notebooks").mkdir(exist_ok=True)
+        for nb in course.ROOT.glob(f"notebooks/{name[4:6]}_*.ipynb"):
+            shutil.copy(nb, tmp_path / "notebooks" / nb.name)
+    shutil.copytree(course.ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"),
+                    dirs_exist_ok=True)
+
+
+def test_check_catches_an_undeclared_change(tmp_path):
+    copy_parts(tmp_path, "part01_simple_server", "part02_streaming")
     assert course.check(tmp_path) == []
     (tmp_path / "part02_streaming" / "engine.py").write_text("# drifted\n")
     (tmp_path / "part02_streaming" / "extra.py").write_text("x = 1\n")
@@ -86,3 +102,192 @@ def test_notebook_paths_by_number():
     paths = course.notebook_paths()
     assert paths and all(p.suffix == ".ipynb" for p in paths)
     assert course.notebook_paths(["1"]) == [p for p in paths if p.name.startswith("01_")]
+
+
+# ---- lessons quote their notebooks ------------------------------------------------------------
+
+LESSON = """# Part 99
+
+## The idea
+
+Prefill took 9.99 s here, outside the measured section.
+
+## What was measured
+
+Measured on torch 2.13 and vLLM v0.33.0 (0.33.0), in 2024, for part 05, in fp32 with
+`--max-num-seqs 64` and `budget=1.5`:
+
+| L | decode | ratio |
+|---:|---:|---:|
+| 16 | 40.1 ms | 9.5x |
+
+A 576 x 576 matrix; 94.6% of prompts hit, 363 tokens saved; logits within 4.20e-05; 1,024 blocks.
+
+```
+not a figure: 7.77 s
+```
+
+### A subsection is still the section
+
+Decode took 0.44 s.
+
+## Exercises
+
+1. Expect 3.14 s.
+"""
+
+
+def test_lesson_figures_are_the_numbers_of_the_measured_section():
+    section = course.measured_section(LESSON)
+    assert "0.44 s" in section and "9.99" not in section and "3.14" not in section
+    figures = [f.text for f in course.lesson_figures(section)]
+    assert figures == ["40.1 ms", "9.5x", "94.6%", "363 tokens", "4.20e-05", "1,024 blocks", "0.44 s"]
+    assert course.measured_section("# Part\n\n## The idea\n\n1.5 s\n") == ""
+
+
+def test_a_figure_is_shown_when_an_output_rounds_to_it():
+    outputs = course._numbers("decode 40.08 ms, ratio 9.46x; hit rate 0.946; 363 tokens; 1,024\nerr 4.2e-05")
+    shown = {f.text: course.figure_shown(f, outputs) for f in course.lesson_figures(
+        "40.1 ms, 9.5x, 94.6%, 363 tokens, 1,024 blocks, 4.20e-05, 40.2 ms, 9.4x, 364 tokens, 4.3e-05")}
+    assert shown == {"40.1 ms": True, "9.5x": True, "94.6%": True, "363 tokens": True, "1,024 blocks": True,
+                     "4.20e-05": True, "40.2 ms": False, "9.4x": False, "364 tokens": False, "4.3e-05": False}
+
+
+def test_check_catches_a_lesson_figure_its_notebook_never_printed(tmp_path):
+    copy_parts(tmp_path, "part01_simple_server")
+    assert course.figure_problems(course.find_stage("01", tmp_path), tmp_path) == []
+    lesson = tmp_path / "part01_simple_server" / "README.md"
+    text = lesson.read_text()
+    heading = "## What was measured\n"
+    assert heading in text
+    lesson.write_text(text.replace(heading, heading + "\nA step took 123.45 ms.\n", 1))
+    problems = course.figure_problems(course.find_stage("01", tmp_path), tmp_path)
+    assert len(problems) == 1 and "'123.45 ms'" in problems[0]
+    (tmp_path / "notebooks" / "01_simple_server.ipynb").unlink()
+    assert any("no notebooks/01_" in p for p in course.check(tmp_path))
+
+
+def test_lessons_not_yet_checked_are_a_short_explicit_list():
+    # Temporary, until those lessons are rewritten: the tuple names parts that exist.
+    numbers = {f"{s.number:02d}" for s in course.stages()}
+    assert set(course.LESSON_FIGURES_NOT_YET_CHECKED) <= numbers
+
+
+# ---- build it yourself: exercise and grade ----------------------------------------------------
+
+EXERCISE_STAGES = [s for s in course.stages() if course.exercise_functions(s)]
+
+
+def test_every_part_has_an_exercise_of_two_to_four_functions():
+    assert [s.name for s in EXERCISE_STAGES] == [s.name for s in course.stages()]
+    for stage in EXERCISE_STAGES:
+        funcs = course.exercise_functions(stage)
+        assert 2 <= len(funcs) <= 4, stage.name
+        assert all(f.tests and course.lesson_section(stage, f.lesson) for f in funcs), stage.name
+        assert course.exercise_problems(stage) == []
+
+
+def _without_bodies(tree, names):
+    for name in names:
+        course.find_def(tree, name).body = [ast.Pass()]
+    return ast.dump(tree)
+
+
+@pytest.mark.parametrize("stage", EXERCISE_STAGES, ids=lambda s: s.name)
+def test_stubs_replace_exactly_the_named_bodies(stage):
+    """Each named function keeps its signature, decorators and docstring, and its body becomes a
+    raise that names it and its lesson section; every other line of the file is unchanged."""
+    by_file: dict[str, list[str]] = {}
+    for f in course.exercise_functions(stage):
+        by_file.setdefault(f.file, []).append(f.name)
+    for file, names in by_file.items():
+        text = (stage.path / file).read_text()
+        stubbed = course.stub_source(text, {n: f"exercise: write {n}" for n in names})
+        compile(stubbed, file, "exec")
+        before, after = ast.parse(text), ast.parse(stubbed)
+        for name in names:
+            old, new = course.find_def(before, name), course.find_def(after, name)
+            assert type(old) is type(new)
+            for attr in ("args", "returns", "decorator_list"):
+                assert ast.dump(ast.Module([ast.Expr(getattr(old, attr) or ast.Constant(None))], [])) == \
+                    ast.dump(ast.Module([ast.Expr(getattr(new, attr) or ast.Constant(None))], [])), (name, attr)
+            doc = ast.get_docstring(old, clean=False)
+            assert ast.get_docstring(new, clean=False) == doc
+            body = new.body[1:] if doc is not None else new.body
+            assert isinstance(body[0], ast.Raise) and f"exercise: write {name}" in ast.unparse(body[0])
+            assert len(body) == 1 + course._is_generator(old)  # a generator keeps a `yield`
+            assert course._is_generator(new) == course._is_generator(old)
+            old_body = old.body[1:] if doc is not None else old.body
+            assert old_body and not isinstance(old_body[0], ast.Raise), f"{name} is a stub already"
+        assert _without_bodies(before, names) == _without_bodies(after, names)
+
+
+def test_stub_source_handles_comments_generators_and_refuses_what_it_cannot_stub():
+    src = """import x
+
+
+class A:
+    @property
+    def p(self):
+        # a comment that explains the body
+        return 1  # trailing
+
+    async def stream(self, n: int):
+        \"\"\"Doc.\"\"\"
+        for i in range(n):
+            yield i
+
+    def inner(self):
+        def gen():
+            yield 1
+        return list(gen())
+
+
+def one(): return 1
+"""
+    out = course.stub_source(src, {"A.p": "m1", "A.stream": "m2", "A.inner": "m3"})
+    assert "comment that explains" not in out and "trailing" not in out and "range" not in out
+    tree = ast.parse(out)
+    assert course._is_generator(course.find_def(tree, "A.stream"))
+    assert not course._is_generator(course.find_def(tree, "A.inner"))
+    assert ast.get_docstring(course.find_def(tree, "A.stream")) == "Doc."
+    assert "@property" in out and "import x" in out and "def one(): return 1" in out
+    with pytest.raises(ValueError, match="line of its"):
+        course.stub_source(src, {"one": "m"})
+    with pytest.raises(ValueError, match="no function"):
+        course.stub_source(src, {"A.missing": "m"})
+
+
+def test_an_existing_workspace_is_never_overwritten_without_force(tmp_path):
+    stage = course.find_stage("10")
+    course.make_exercise(stage, tmp_path, only=["router.py:CacheAwareRouter._record"])
+    mine = tmp_path / stage.name / "router.py"
+    mine.write_text(mine.read_text() + "# my work\n")
+    with pytest.raises(SystemExit, match="--force"):
+        course.make_exercise(stage, tmp_path)
+    assert mine.read_text().endswith("# my work\n")
+    assert course.make_exercise(stage, tmp_path, solution=True, force=True) == []
+    assert mine.read_bytes() == (stage.path / "router.py").read_bytes()
+
+
+# Two model-free parts run for real (a pytest subprocess per grade, about 8 s each); every other
+# part's stubs are checked above without running its tests.
+@pytest.mark.parametrize("part", ["08", "10"])
+def test_grade_fails_on_the_stubs_and_passes_on_the_finished_part(part, tmp_path, capsys):
+    stage = course.find_stage(part)
+    funcs = course.exercise_functions(stage)
+    assert course.main(["exercise", part, "--dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert course.main(["grade", part, "--dir", str(tmp_path)]) == 1
+    report = capsys.readouterr().out
+    for f in funcs:
+        assert f"FAIL  {f.label} " in report, report
+    # what failed is the stubs themselves, pointing to the lesson
+    assert "NotImplementedError: exercise: write " in report and f"; see {stage.name}/README.md, section" in report
+    assert "its stub was called" in report
+    assert course.main(["exercise", part, "--dir", str(tmp_path), "--solution", "--force"]) == 0
+    capsys.readouterr()
+    assert course.main(["grade", part, "--dir", str(tmp_path)]) == 0
+    report = capsys.readouterr().out
+    for f in funcs:
+        assert f"pass  {f.label} " in report, report
