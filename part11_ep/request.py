@@ -65,7 +65,6 @@ class Request:
     params: SamplingParams
     completions: list[CompletionState]
     generators: list[torch.Generator | None] = field(default_factory=list)  # one per sample
-    aborted: bool = field(default=False)
     # Enters the first block's hash: requests with different salts never share a cached block.
     cache_salt: str | None = None
     sequences: list[Sequence] = field(default_factory=list)

@@ -3,7 +3,7 @@ once per test session and shared by every test.
 
 Every part's engine comes from one factory, `llm_for(part)`: built on first use and reused, on the
 oracle's tier (cpu, fp32: the tier HF's reference runs on, whatever hardware runs the tests), with
-a 256 MiB KV pool for the paged parts. `build_llm(part, **overrides)` builds an uncached one (a
+a 128 MiB KV pool for the paged parts. `build_llm(part, **overrides)` builds an uncached one (a
 tiny pool, say) on the same tier. `PARTS` is every part folder there is (`shared.course.stages()`),
 so a new part is in the cross-part tests as soon as its folder exists."""
 from __future__ import annotations
@@ -45,7 +45,7 @@ NEW_TOKENS = 32
 # The oracle tier: greedy parity is checked against HF transformers in fp32 on the CPU, so every
 # engine compared with it runs there too (an automatic device would pick cuda + bf16 on a GPU).
 ORACLE = {"device": "cpu", "dtype": "float32"}
-PAGED_KV_MB = 256  # KV pool of the parts that have one (part 03 on)
+PAGED_KV_MB = 128  # KV pool of the parts that have one (part 03 on): 182 blocks, 2900 tokens
 PARTS = [s.name for s in stages()]
 
 
@@ -126,8 +126,9 @@ def hf_greedy(hf_model):
     return run
 
 
-# Engines kept alive at once by `llm_for` (about 0.8 GB each with the 256 MiB pool: weights, pool).
-MAX_CACHED_LLMS = int(os.environ.get("COURSE_TEST_MAX_LLMS", "8"))
+# Engines kept alive at once by `llm_for` (about 0.65 GB each: weights and pool). Tests run part by
+# part, so two cover the switch from one part's tests to the next; rebuilding one costs ~2 s.
+MAX_CACHED_LLMS = int(os.environ.get("COURSE_TEST_MAX_LLMS", "2"))
 
 
 @pytest.fixture(scope="session")
