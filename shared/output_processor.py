@@ -76,9 +76,10 @@ class CompletionState:
             self.finish_reason = "length"
         return self.finished
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "abort") -> None:
+        """End it early: aborted by its client, or (reason "error", part 13) failed by the engine."""
         if not self.finished:
-            self.finish_reason = "abort"
+            self.finish_reason = reason
 
     def _record_logprobs(self, token_id: int, logprob: float, rank: int,
                          top: list[tuple[int, float]]) -> None:

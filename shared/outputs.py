@@ -29,6 +29,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # A KV connector's parameters for the client (part 13: where a prefill left this request's KV).
+    kv_transfer_params: dict | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a delta (what is new since the last one) into this whole output: text, tokens and
@@ -49,3 +51,4 @@ class RequestOutput:
                     c.cumulative_logprob = (c.cumulative_logprob or 0.0) + entry[token].logprob
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
         self.finished = delta.finished
+        self.kv_transfer_params = delta.kv_transfer_params or self.kv_transfer_params
