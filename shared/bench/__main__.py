@@ -1,4 +1,4 @@
-"""`python -m shared.bench {throughput,serve,roofline} ...`: see each subcommand's --help."""
+"""`python -m shared.bench {throughput,serve,roofline,perplexity} ...`: see each subcommand's --help."""
 from __future__ import annotations
 
 import argparse
@@ -113,6 +113,16 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from .perplexity import run_perplexity
+
+    res = run_perplexity(args.part, args.max_tokens, args.window, model=args.model, device=args.device,
+                         dtype=args.dtype, **engine_kwargs(args))
+    print(f"{args.part} {parse_engine_args(args.engine_arg) or ''}: perplexity {res.perplexity:.3f} over "
+          f"{res.tokens} tokens ({res.windows} windows of {args.window}) of pydoc_data/topics.py")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shared.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--decode-tokens", type=int, default=16)
     r.add_argument("--bound-only", action="store_true", help="machine peaks and bounds, no engine")
     r.set_defaults(func=cmd_roofline)
+
+    q = sub.add_parser("perplexity", help="perplexity of an engine's model on Python's own help-topics text")
+    add_model_args(q)
+    q.add_argument("--max-tokens", type=int, default=16384)
+    q.add_argument("--window", type=int, default=512)
+    q.set_defaults(func=cmd_perplexity)
 
     args = parser.parse_args(argv)
     if getattr(args, "threads", None):
