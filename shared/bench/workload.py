@@ -19,6 +19,9 @@ import numpy as np
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int  # generated with ignore_eos, so exactly this many tokens come back
+    # The text a dataset of real conversations started from (datasets.py's sharegpt); None for
+    # token-born prompts. A server is sent this text as is, never a decode of the ids.
+    prompt: str | None = None
 
     @property
     def prompt_len(self) -> int:
