@@ -2,7 +2,7 @@
 # `make notebooks` re-executes the notebooks in full mode and saves them with their outputs
 # (ARGS="03 04" picks some).
 PYTHON ?= python3
-LATEST ?= part11_ep
+LATEST ?= part15_full
 ARGS ?=
 
 .PHONY: setup serve test notebooks
