@@ -29,7 +29,7 @@ def _die_with_parent() -> None:
 
 def start_server(port: int, role: str, kv_port: int, extra: list[str]) -> subprocess.Popen:
     config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": kv_port}
-    cmd = [sys.executable, "-m", "part13_disagg.server", "--port", str(port), "--kv-transfer-config",
+    cmd = [sys.executable, "-m", f"{__package__}.server", "--port", str(port), "--kv-transfer-config",
            json.dumps(config), *extra]
     return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
 

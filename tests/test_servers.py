@@ -154,10 +154,11 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400,
      "temperature"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
-    # OpenAI fields we cannot honour are refused, never silently ignored.
-    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    # OpenAI fields we cannot honour are refused, never silently ignored (parts before 15 refuse every
+    # structured format; part 15 refuses a format it does not know and a schema that is not one).
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "response_format"),
+        "type": "json_schema", "json_schema": {"name": "x", "schema": 3}}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400,

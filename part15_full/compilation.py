@@ -1,0 +1,76 @@
+"""torch.compile of the model, with the attention left out of the graph ("piecewise").
+
+A decode step runs the same few dozen small kernels per layer, each launched from Python. Compiling
+the model with TorchDynamo + Inductor traces those Python calls once into a graph, fuses the
+elementwise work (RMSNorm, the rotary embedding, SiLU x up, the residual adds) into a few generated
+kernels (C++/OpenMP on a CPU, Triton on a GPU) and removes the per-op Python overhead.
+
+Attention is the part that does not compile well: paged attention reads block tables and
+sequence lengths that change every step, and its plan is data dependent. vLLM therefore splits the
+graph at every attention call ("piecewise" compilation: the pieces between attentions compiled,
+attention run as an opaque op); we do the same by excluding the attention backend from tracing
+(`torch.compiler.disable`), so each layer's graph stops before it and resumes after it. Three
+details keep the number of compiled graphs small:
+- `dynamic=True`: the token count varies every step; one graph serves every count (Dynamo still
+  specialises counts 0 and 1, so batch-1 decode gets a graph of its own);
+- layer indices are plain ints on the modules; `allow_unspec_int_on_nn_module` stops Dynamo from
+  compiling one copy per layer index;
+- Inductor caches compiled graphs on disk (its FX graph cache, under /tmp/torchinductor_$USER),
+  so a restart compiles again only what changed: the first start pays the compile time, the next
+  ones mostly load it.
+
+CUDA graphs (capturing a decode step's kernel launches once and replaying them) are vLLM's other
+half of this on a GPU; this course does not implement them (there is no GPU to test them on).
+
+Modes (`--compilation-mode`): none (eager), piecewise (the above), full (Dynamo over everything,
+attention included: it splits the graph wherever tracing fails, which on paged attention means
+many small graphs). `--enforce-eager` forces none.
+
+In vLLM: vllm/config/compilation.py (CompilationConfig: mode NONE, STOCK_TORCH_COMPILE,
+DYNAMO_TRACE_ONCE, VLLM_COMPILE; splitting_ops; cudagraph_mode NONE, PIECEWISE, FULL,
+FULL_DECODE_ONLY, FULL_AND_PIECEWISE; cudagraph_capture_sizes), vllm/compilation/backends.py
+(split_graph at the attention ops), vllm/compilation/cuda_graph.py (CUDAGraphWrapper)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+COMPILATION_MODES = ("none", "piecewise", "full")
+logger = logging.getLogger(__name__)
+
+
+def resolve_compilation_mode(mode: str | None, enforce_eager: bool, device: torch.device) -> str:
+    """The mode in effect. Default: piecewise on CUDA; none on CPU, where notebook 15 measured
+    the compiled model no faster than eager at the course's sizes (and each start pays the compile)."""
+    if mode is not None and mode not in COMPILATION_MODES:
+        raise ValueError(f"compilation_mode must be one of {', '.join(COMPILATION_MODES)}, got {mode!r}")
+    if enforce_eager:
+        return "none"
+    return mode or ("piecewise" if device.type == "cuda" else "none")
+
+
+def compile_model(model: torch.nn.Module, attention_backend, mode: str) -> None:
+    """Compile `model.forward` in place (lazily: the first steps of each shape class compile)."""
+    if mode == "none":
+        return
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.allow_unspec_int_on_nn_module = True
+    if mode == "piecewise":
+        attention_backend.forward = torch.compiler.disable(attention_backend.forward)
+    compiled = torch.compile(model.forward, dynamic=True)
+    state = {"first": True}
+
+    def forward(*args, **kwargs):
+        if not state["first"]:
+            return compiled(*args, **kwargs)
+        start = time.perf_counter()
+        out = compiled(*args, **kwargs)
+        state["first"] = False
+        logger.info("torch.compile (%s): the first step took %.1f s (compiling)", mode, time.perf_counter() - start)
+        model.compile_seconds = time.perf_counter() - start
+        return out
+
+    model.forward = forward

@@ -1,0 +1,331 @@
+"""Engine configuration of this stage. The server's command-line flags are derived from it.
+
+Every technique of the course is one or a few fields here. Some combinations cannot work together
+(swap preemption and a draft model's KV cache, a host tier given twice, expert parallelism without
+tensor-parallel ranks to put experts on, ...); `validate()` finds all of them at once and names the
+flags, before any process is started or any weight is read, so a bad command line fails in a
+second instead of after a model load. The engine's own checks stay where they are: they also guard
+engines built without a server. `summary()` is the effective configuration the server prints at
+start-up: what each default resolved to on this device.
+
+In vLLM: vllm/engine/arg_utils.py (EngineArgs: the flags, create_engine_config) and the
+__post_init__/verify methods of vllm/config/ (VllmConfig and its parts), which refuse invalid
+combinations; vLLM logs the resolved config as "Initializing a V1 LLM engine ... with config: ..."."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = field(default=None, metadata={"help": "local HF folder or hub id "
+                                                      "(default: the embedded SmolLM2-135M-Instruct)"})
+    device: str | None = field(default=None, metadata={"help": "cuda or cpu (default: cuda if available)"})
+    dtype: str | None = field(default=None, metadata={"help": "float32, bfloat16, float16 "
+                                                      "(default: bf16 on cuda, fp32 on cpu)"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "store the linear layers' weights in fewer bits: int8 (per output channel) or int4 (per "
+                "group of --quantization-group-size inputs), quantized as the checkpoint loads; a GPTQ "
+                "checkpoint is read as GPTQ whatever this says (default: the checkpoint's format)"})
+    quantization_group_size: int = field(default=128, metadata={
+        "help": "int4: inputs sharing a scale (32, 64, 128); a last group that the inputs end inside is "
+                "padded with zero weights"})
+    quantize_lm_head: bool = field(default=False, metadata={
+        "help": "quantize the LM head too (never a tied one: it is the embedding)"})
+    load_format: str = field(default="auto", metadata={"help": "auto: the checkpoint's weights; dummy: "
+                                                       "random weights, only config.json is read "
+                                                       "(benchmarks of shapes without weights)"})
+    max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the "
+                                                              "model's, at most 8192)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_memory_mb: int = field(default=1024, metadata={"help": "memory budget of the KV block "
+                                                            "pool, in MiB"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one batch"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={
+        "help": "token budget of one step (default: 1024 with chunked prefill, else max_model_len)"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split prompts longer than the step's budget into chunks over several steps "
+                "(off: a whole prompt must fit in one step, as in part 05)"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "most tokens of one prompt in one step (0: no limit but the budget)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of prompt prefixes computed before (off: every prompt is "
+                "computed in full, as in part 06)"})
+    prefix_caching_hash_seed: str | None = field(default=None, metadata={
+        "help": "root of the block-hash chain; fix it so that other processes compute the same "
+                "block hashes (default: random, private to this process)"})
+    kv_transfer_config: str | dict | None = field(default=None, metadata={
+        "help": "a KV connector, as JSON with vLLM's fields: kv_connector (OffloadingConnector, "
+                "ExampleConnector, NixlConnector), kv_role (kv_producer, kv_consumer, kv_both), "
+                "engine_id, kv_ip, kv_port, kv_connector_extra_config, kv_load_failure_policy "
+                "(fail, recompute)"})
+    kv_offloading_size: float | None = field(default=None, metadata={
+        "help": "GiB of host memory for a second tier of KV blocks (pinned on CUDA), over all "
+                "tensor-parallel ranks: preempted requests swap there, prompt prefixes are kept "
+                "there (default: no host tier)"})
+    kv_offloading_eviction_policy: str = field(default="lru", metadata={
+        "help": "which offloaded prefix block the host tier drops first: lru or arc"})
+    preemption_mode: str = field(default="recompute", metadata={
+        "help": "what happens to a preempted request's KV: recompute (dropped, recomputed later) or "
+                "swap (copied to the host tier and back; recompute when the host tier is full)"})
+    speculative_method: str | None = field(default=None, metadata={
+        "help": "speculative decoding: ngram (prompt lookup) or draft_model (default: none)"})
+    num_speculative_tokens: int = field(default=4, metadata={"help": "draft tokens per step (k)"})
+    # vLLM's defaults: only a 5-token match is trusted. Shorter ones fire often in open-ended text
+    # and are mostly rejected there, which costs compute (notebook 08).
+    prompt_lookup_min: int = field(default=5, metadata={"help": "ngram: shortest n-gram to match"})
+    prompt_lookup_max: int = field(default=5, metadata={"help": "ngram: longest n-gram to match"})
+    speculative_model: str | None = field(default=None, metadata={
+        "help": "draft_model: a smaller model with the target's vocabulary (default: the target's "
+                "first --speculative-draft-layers layers, a layer-truncated self-draft)"})
+    speculative_draft_layers: int = field(default=8, metadata={
+        "help": "draft_model without --speculative-model: layers of the self-draft"})
+    continuous_batching: bool = field(default=True, metadata={
+        "help": "off: admit new requests only when the running batch is empty (static batching)"})
+    async_scheduling: bool = field(default=True, metadata={
+        "help": "schedule and launch step N+1 before step N's tokens reach the host (off: part 04; "
+                "always off with speculative decoding)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "shard the model over this many worker processes (GPUs), Megatron-style"})
+    enable_expert_parallel: bool = field(default=False, metadata={
+        "help": "MoE models: put whole experts on the tensor-parallel ranks (expert parallelism: "
+                "all-to-all dispatch and combine) instead of splitting every expert"})
+    distributed_executor_backend: str | None = field(default=None, metadata={
+        "help": "uni: the model in the engine's process; mp: one worker process per rank "
+                "(default: mp when tensor_parallel_size > 1)"})
+    nnodes: int | None = field(default=None, metadata={
+        "help": "machines the tensor-parallel group spans (default: $NNODES, else 1)"})
+    node_rank: int | None = field(default=None, metadata={
+        "help": "this machine's index, 0 runs the engine (default: $NODE_RANK or torchrun's "
+                "$GROUP_RANK, else 0)"})
+    master_addr: str | None = field(default=None, metadata={
+        "help": "rendezvous address: node 0's (default: $MASTER_ADDR, else 127.0.0.1)"})
+    master_port: int | None = field(default=None, metadata={
+        "help": "rendezvous port (default: $MASTER_PORT, else a free port on one node)"})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "CPU threads of each worker process (default: the cores divided among the "
+                "node's ranks)"})
+    execute_model_timeout_s: float = field(default=300.0, metadata={
+        "help": "most seconds a step may take in the workers before the engine declares them failed"})
+    engine_ready_timeout_s: float = field(default=600.0, metadata={
+        "help": "most seconds the workers (and, with data parallelism, the engines) may take to load "
+                "the model and say ready"})
+    data_parallel_size: int = field(default=1, metadata={
+        "help": "engine-core processes behind the API server, each a whole engine (>1: the server "
+                "routes requests among them)"})
+    data_parallel_size_local: int | None = field(default=None, metadata={
+        "help": "how many of them this host starts (default: all; the rest connect from other "
+                "hosts with --headless)"})
+    data_parallel_start_rank: int = field(default=0, metadata={
+        "help": "--headless: the first engine rank this host runs"})
+    data_parallel_address: str = field(default="127.0.0.1", metadata={
+        "help": "the API server's address for engine traffic (engines on other hosts connect to it)"})
+    data_parallel_rpc_port: int | None = field(default=None, metadata={
+        "help": "the first of the two ports engines connect to (default: free ports, one host only)"})
+    engine_heartbeat_timeout_s: float = field(default=30.0, metadata={
+        "help": "an engine core silent this long after it said ready is declared dead (its requests "
+                "get a 503)"})
+    multiprocess_engine_core: bool = field(default=False, metadata={
+        "help": "with one engine: run it in a process of its own behind the API server (vLLM V1's "
+                "layout; off: in the server's process, faster on a small CPU)"})
+    routing_policy: str = field(default="least_loaded", metadata={
+        "help": "round_robin, least_loaded (4 x waiting + running) or cache_aware (longest cached "
+                "prefix, unless the load is imbalanced)"})
+    structured_outputs_backend: str = field(default="auto", metadata={
+        "help": "who compiles response_format / structured_outputs constraints: xgrammar (every kind, "
+                "vLLM's default), course (this course's own FSM: regex and choice), auto (xgrammar)"})
+    compilation_mode: str | None = field(default=None, metadata={
+        "help": "torch.compile of the model: none, piecewise (attention left out of the graph, as vLLM "
+                "splits it) or full (default: piecewise on cuda, none on cpu)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "run the model eagerly: no torch.compile, no CUDA graphs"})
+    use_triton: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on "
+                                                            "cuda) or the torch reference"})
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs = {"default": f.default if f.default is not MISSING else None, "help": f.metadata.get("help")}
+            if "bool" in str(f.type):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            else:
+                kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+                parser.add_argument(flag, type=kind, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def validate(self, headless: bool = False) -> None:
+        """Raise ValueError listing every invalid setting or combination, each with its flags."""
+        problems = list(_problems(self, headless))
+        if problems:
+            raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+    def summary(self, max_model_len: int | None = None, num_blocks: int | None = None) -> str:
+        """The effective configuration, one line per concern: what each default resolved to here.
+        max_model_len and num_blocks are known once the model is loaded (None: not shown)."""
+        from shared.device import resolve_device, resolve_dtype
+
+        from .engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+        device = resolve_device(self.device)
+        dtype = str(resolve_dtype(self.dtype, device)).removeprefix("torch.")
+        on = {True: "on", False: "off"}
+        chunk = self.max_num_batched_tokens or (DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
+                                                else max_model_len)
+        spec = "off"
+        if self.speculative_method == "ngram":
+            spec = f"ngram, k={self.num_speculative_tokens}, n-grams {self.prompt_lookup_min}..{self.prompt_lookup_max}"
+        elif self.speculative_method == "draft_model":
+            spec = f"draft_model, k={self.num_speculative_tokens}, " + (
+                self.speculative_model or f"self-draft of {self.speculative_draft_layers} layers")
+        kv_transfer = "off"
+        if self.kv_offloading_size:
+            kv_transfer = f"host tier {self.kv_offloading_size:g} GiB ({self.kv_offloading_eviction_policy})"
+        elif self.kv_transfer_config:
+            from .kv_connector import KVTransferConfig
+
+            kv = KVTransferConfig.from_cli(self.kv_transfer_config)
+            kv_transfer = f"{kv.kv_connector} ({kv.kv_role})"
+        backend = self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
+        engines = (f"{self.data_parallel_size} engine-core processes, routing {self.routing_policy}"
+                   if self.data_parallel_size > 1 else "1 engine core, " +
+                   ("in a process of its own" if self.multiprocess_engine_core else "in the server's process"))
+        pool = f"{self.kv_cache_memory_mb} MiB" + (f" = {num_blocks} blocks" if num_blocks else ", blocks")
+        lines = [
+            ("model", f"{self.model or 'the embedded SmolLM2-135M-Instruct'} (load_format {self.load_format}"
+                      + (f", max_model_len {max_model_len})" if max_model_len else ")")),
+            ("device, dtype", f"{device.type}, {dtype}; quantization {self.quantization or 'none'}"
+                              + (f" (group {self.quantization_group_size})" if self.quantization == "int4" else "")),
+            ("KV cache", f"{pool} of {self.block_size} tokens; prefix caching {on[self.enable_prefix_caching]}"),
+            ("scheduling", f"max_num_seqs {self.max_num_seqs}, step budget {chunk} tokens; chunked prefill "
+                           f"{on[self.enable_chunked_prefill]}, continuous batching {on[self.continuous_batching]}, "
+                           f"async scheduling {on[self.async_scheduling and not self.speculative_method]}, "
+                           f"preemption {self.preemption_mode}"),
+            ("speculative", spec),
+            ("parallelism", f"TP {self.tensor_parallel_size} ({backend}), expert parallel "
+                            f"{on[self.enable_expert_parallel]}; DP {self.data_parallel_size}: {engines}"),
+            ("KV transfer", kv_transfer),
+            ("structured out", self.structured_outputs_backend),
+            ("kernels", f"enforce_eager {on[self.enforce_eager]}, Triton "
+                        f"{on[self.use_triton if self.use_triton is not None else device.type == 'cuda']}"),
+        ]
+        return "effective configuration:\n" + "\n".join(f"  {k:<15} {v}" for k, v in lines)
+
+
+# kv_connector.make_connector's registry (there, a connector is only looked up after the model load).
+KV_CONNECTORS = ("OffloadingConnector", "ExampleConnector", "SharedStorageConnector", "NixlConnector")
+
+
+def _problems(c: EngineConfig, headless: bool):
+    """Each invalid setting or combination, as a sentence that names the flags to change."""
+    import torch
+
+    from shared.device import resolve_dtype
+
+    from .cache_policy import CACHE_POLICIES
+    from .engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, SPECULATIVE_METHODS
+    from .kv_connector import KVTransferConfig
+    from .quantization import QUANTIZATION_METHODS
+    from .router import ROUTING_POLICIES
+    from .structured_output.manager import BACKENDS
+
+    def one_of(flag: str, value, choices) -> str | None:
+        names = ", ".join("unset" if x is None else str(x) for x in choices)
+        return None if value in choices else f"{flag} must be one of {names}, got {value!r}"
+
+    checks = [one_of("--load-format", c.load_format, ("auto", "dummy")),
+              one_of("--quantization", c.quantization, (None, *QUANTIZATION_METHODS)),
+              one_of("--preemption-mode", c.preemption_mode, ("recompute", "swap")),
+              one_of("--speculative-method", c.speculative_method, (None, *SPECULATIVE_METHODS)),
+              one_of("--kv-offloading-eviction-policy", c.kv_offloading_eviction_policy, tuple(CACHE_POLICIES)),
+              one_of("--distributed-executor-backend", c.distributed_executor_backend, (None, "uni", "mp")),
+              one_of("--routing-policy", c.routing_policy, ROUTING_POLICIES),
+              one_of("--structured-outputs-backend", c.structured_outputs_backend, BACKENDS)]
+    yield from (p for p in checks if p)
+    if c.device not in (None, "auto") and c.device.split(":")[0] not in ("cpu", "cuda"):
+        yield f"--device must be cpu or cuda, got {c.device!r}"
+    elif c.device and c.device.startswith("cuda") and not torch.cuda.is_available():
+        yield f"--device {c.device}: no CUDA device is available here"
+    try:
+        resolve_dtype(c.dtype, torch.device("cpu"))
+    except ValueError as e:
+        yield f"--dtype: {e}"
+    for flag, value, least in (("--block-size", c.block_size, 1), ("--kv-cache-memory-mb", c.kv_cache_memory_mb, 1),
+                               ("--max-num-seqs", c.max_num_seqs, 1), ("--max-model-len", c.max_model_len, 1),
+                               ("--max-num-batched-tokens", c.max_num_batched_tokens, 1),
+                               ("--long-prefill-token-threshold", c.long_prefill_token_threshold, 0),
+                               ("--tensor-parallel-size", c.tensor_parallel_size, 1),
+                               ("--data-parallel-size", c.data_parallel_size, 1), ("--nnodes", c.nnodes, 1)):
+        if value is not None and value < least:
+            yield f"{flag} must be at least {least}, got {value}"
+    if c.quantization_group_size != -1 and c.quantization_group_size < 1:
+        yield f"--quantization-group-size must be positive (or -1: per channel), got {c.quantization_group_size}"
+    budget = c.max_num_batched_tokens or (DEFAULT_MAX_NUM_BATCHED_TOKENS if c.enable_chunked_prefill else None)
+    if budget is not None and budget < c.max_num_seqs:
+        yield (f"--max-num-batched-tokens ({budget}) must be at least --max-num-seqs ({c.max_num_seqs}): every "
+               f"running sequence may decode in one step")
+    if not c.enable_chunked_prefill and c.max_num_batched_tokens and c.max_model_len \
+            and c.max_num_batched_tokens < c.max_model_len:
+        yield (f"--no-enable-chunked-prefill needs --max-num-batched-tokens ({c.max_num_batched_tokens}) >= "
+               f"--max-model-len ({c.max_model_len}): a whole prompt must fit in one step")
+    # Speculative decoding (part 08)
+    if c.speculative_method and c.num_speculative_tokens < 1:
+        yield f"--num-speculative-tokens must be at least 1, got {c.num_speculative_tokens}"
+    if c.speculative_model and c.speculative_method != "draft_model":
+        yield "--speculative-model needs --speculative-method draft_model"
+    if c.speculative_method == "ngram" and not 1 <= c.prompt_lookup_min <= c.prompt_lookup_max:
+        yield (f"--prompt-lookup-min and --prompt-lookup-max need 1 <= min <= max, got "
+               f"{c.prompt_lookup_min} and {c.prompt_lookup_max}")
+    if c.speculative_method == "draft_model" and not c.speculative_model and c.speculative_draft_layers < 1:
+        yield f"--speculative-draft-layers must be at least 1, got {c.speculative_draft_layers}"
+    # The KV connector and the host tier (parts 12, 13)
+    kv = None
+    try:
+        kv = KVTransferConfig.from_cli(c.kv_transfer_config)
+    except (ValueError, TypeError) as e:  # bad JSON, unknown fields, roles, policies
+        yield f"--kv-transfer-config: {e}"
+    if kv is not None and kv.kv_connector not in KV_CONNECTORS:
+        yield f"--kv-transfer-config: unknown kv_connector {kv.kv_connector!r}; known: {', '.join(KV_CONNECTORS)}"
+    if kv is not None and c.kv_offloading_size:
+        yield "give --kv-offloading-size or --kv-transfer-config, not both (the first is the OffloadingConnector)"
+    if c.kv_offloading_size is not None and c.kv_offloading_size <= 0:
+        yield f"--kv-offloading-size must be positive, got {c.kv_offloading_size}"
+    host_tier = bool(c.kv_offloading_size) or (kv is not None and kv.kv_connector == "OffloadingConnector")
+    if c.preemption_mode == "swap" and not host_tier:
+        yield "--preemption-mode swap needs a host tier to swap to: set --kv-offloading-size"
+    if c.preemption_mode == "swap" and c.speculative_method == "draft_model":
+        yield ("--preemption-mode swap does not swap a draft model's KV cache: use --preemption-mode recompute "
+               "with --speculative-method draft_model")
+    # Parallelism (parts 09-11)
+    backend = c.distributed_executor_backend or ("mp" if c.tensor_parallel_size > 1 else "uni")
+    if backend == "uni" and c.tensor_parallel_size > 1:
+        yield "--tensor-parallel-size > 1 needs --distributed-executor-backend mp (one process per rank)"
+    if c.enable_expert_parallel and c.tensor_parallel_size < 2:
+        yield ("--enable-expert-parallel puts experts on the tensor-parallel ranks: it needs "
+               "--tensor-parallel-size of 2 or more")
+    if c.nnodes and c.nnodes > 1 and c.tensor_parallel_size % c.nnodes:
+        yield f"--tensor-parallel-size ({c.tensor_parallel_size}) must divide evenly over --nnodes ({c.nnodes})"
+    if c.nnodes and c.node_rank is not None and not 0 <= c.node_rank < c.nnodes:
+        yield f"--node-rank must be in [0, --nnodes={c.nnodes}), got {c.node_rank}"
+    local = c.data_parallel_size_local  # unset: all of them, or one on a --headless host
+    local = (1 if headless else c.data_parallel_size) if local is None else local
+    if not 0 <= local <= c.data_parallel_size:
+        yield f"--data-parallel-size-local must be in [0, --data-parallel-size={c.data_parallel_size}], got {local}"
+    elif c.data_parallel_start_rank + local > c.data_parallel_size:
+        yield (f"--data-parallel-start-rank ({c.data_parallel_start_rank}) + --data-parallel-size-local ({local}) "
+               f"exceeds --data-parallel-size ({c.data_parallel_size})")
+    if c.data_parallel_size > 1 and (local < c.data_parallel_size or headless) and not c.data_parallel_rpc_port:
+        yield ("engines on several hosts need the API server's --data-parallel-address and a fixed "
+               "--data-parallel-rpc-port (on the server and on every --headless host)")
+    for flag, value in (("--execute-model-timeout-s", c.execute_model_timeout_s),
+                        ("--engine-ready-timeout-s", c.engine_ready_timeout_s),
+                        ("--engine-heartbeat-timeout-s", c.engine_heartbeat_timeout_s)):
+        if value <= 0:
+            yield f"{flag} must be positive, got {value}"

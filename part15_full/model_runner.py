@@ -1,0 +1,365 @@
+"""ModelRunner: owns the model and the paged KV pool on the device, and runs one step over a
+flattened batch of sequences (no padding, each sequence contributes its new tokens): forward
+pass, then sampling.
+
+Async scheduling splits a step in two: `prepare_inputs` (host work: token ids, positions, paged
+attention metadata, sampling rows) and `execute_model` (device work). A sequence whose input is
+the token the previous step sampled names that step's row instead of a token id, and
+`execute_model` copies the id across on the device: no round trip through the host.
+
+Speculative decoding (part 08): a sequence's step may verify draft tokens. Its entry's tokens are
+then its newest token plus k drafts, the model scores all k + 1 positions in the one pass, and the
+rejection sampler turns those logits into 1..k+1 tokens. With a draft model, the drafts are sampled
+here first (`_propose_on_device`): a catch-up pass of the draft over every token the target computes
+this step, then k - 1 one-token passes, and the target's input slots are filled on the device.
+
+Tensor parallelism (part 09): each rank's runner builds the model through its `layers` (a rank's
+shards), so it holds only its own heads; its KV pool holds those heads' K/V. Every rank runs the same
+steps on the same inputs, gets the same all-gathered logits and samples the same tokens."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shared.device import resolve_device, resolve_dtype
+from shared.forward_context import set_forward_context
+from shared.model import LayerFactory
+from shared.sampler import SampledBatch, Sampler, SamplingRow
+from shared.weights import resolve_model_path
+
+from .compilation import compile_model, resolve_compilation_mode
+from .config import EngineConfig
+from .draft_model import DraftModelProposer, sample_drafts
+from .kv_cache_manager import num_blocks_for_budget
+from .model_loader import get_model
+from .quantization import get_quant_config
+from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_config
+from .moe_config import load_configs
+from .attention_metadata import PagedAttentionMetadata
+from .paged_attention import PagedAttention
+from .rejection_sampler import RejectionOutput, RejectionSampler, SpecDecodeMetadata
+from .structured_output.bitmask import unpack_bitmask
+from .structured_output.manager import GrammarOutput
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class SequenceBatchEntry:
+    """One sequence's share of a step: its new tokens, how many tokens it already has in the
+    cache, its block table and how it samples (None: a prefill chunk that stops short of the
+    prompt's end samples nothing). When its last new token is the one the previous step sampled
+    for it (not yet on the host), `token_ids` lacks it and `prev_row` names the previous step's
+    row that holds it."""
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sampling: SamplingRow | None
+    prev_row: int | None = None
+    seq_id: str = ""  # a worker process keeps per-sequence state (its seeded generator) under it
+    # Drafts to verify after token_ids (the draft model's are 0s, sampled on the device), and how
+    # many positions from the first sampled one still ban EOS and stop ids (min_tokens).
+    draft_token_ids: list[int] = field(default_factory=list)
+    min_tokens_left: int = 0
+    # Draft model only: the known tokens its KV cache lacks, ending with this step's last known one.
+    draft_input_ids: list[int] | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids) + (self.prev_row is not None) + len(self.draft_token_ids)
+
+
+def position_row(row: SamplingRow, drafts: list[int], j: int, min_tokens_left: int) -> SamplingRow:
+    """The sampling row of position j of a verifying step (row: position 0's): drafts[:j] count as
+    generated output (for penalties), and EOS stays banned only while min_tokens is not reached.
+    Exactly the row plain decoding would use there."""
+    if j == 0:
+        return row
+    history = row.output_token_ids + drafts[:j] if row.params.has_penalties else row.output_token_ids
+    banned = row.banned_token_ids if j < min_tokens_left else ()
+    return dataclasses.replace(row, output_token_ids=history, banned_token_ids=banned)
+
+
+@dataclass
+class DraftPass:
+    """One forward pass of the draft model: its input, or which sequences feed their previous
+    draft back (input_rows: their rows in the previous pass's drafts)."""
+    metadata: PagedAttentionMetadata
+    positions: torch.Tensor
+    input_ids: torch.Tensor | None  # the catch-up pass: known tokens
+    input_rows: torch.Tensor | None  # later passes: rows of the previous pass's drafts
+    logits_indices: torch.Tensor  # the rows whose logits give a draft
+    seqs: list[int]  # which speculating sequences (index into SpecInput) draft in this pass
+
+
+@dataclass
+class SpecInput:
+    meta: SpecDecodeMetadata  # per sampling sequence: its drafts (0s until the draft model fills them)
+    rows: list[SamplingRow]  # per sampling sequence: its row at the first position
+    min_tokens_left: list[int]
+    draft_slots: torch.Tensor  # rows of input_ids that hold drafts, sequence-major
+    draft_passes: list[DraftPass] | None  # the draft model's passes; None: drafts known already
+
+
+@dataclass
+class ModelInput:
+    """Everything one step needs on the device, built on the host by prepare_inputs."""
+    input_ids: torch.Tensor  # [T]; placeholder slots hold 0 until execute_model fills them
+    positions: torch.Tensor  # [T]
+    metadata: PagedAttentionMetadata
+    logits_indices: torch.Tensor  # [S]: the last token's row of each sequence that samples
+    placeholder_slots: torch.Tensor | None  # rows of input_ids to fill from the previous step
+    placeholder_prev_rows: torch.Tensor | None  # ...with these rows of its sampled ids
+    rows: list[SamplingRow]  # of the S sequences that sample
+    prev_rows: list[int | None]  # of the same S, as in SequenceBatchEntry
+    spec: SpecInput | None = None  # some sequence verifies drafts this step, or a draft model runs
+    kv_connector_metadata: Any = None  # what a KV connector's scheduler side sends this step (parts 12-13)
+    grammar_output: GrammarOutput | None = None  # structured outputs' bitmask (part 15)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """A step's results: the sampled tokens, and what a KV connector reports (the requests whose
+    KV finished sending or arriving; parts 12-13), which the engine hands to its scheduler."""
+    sampled: SampledBatch | RejectionOutput
+    kv_connector_output: Any = None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, layers: LayerFactory | None = None, device: str | None = None):
+        self.config = config
+        self.device = resolve_device(device or config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_path = resolve_model_path(config.model)
+        cfg, _ = load_configs(self.model_path)
+        self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings,
+                                                             DEFAULT_MAX_MODEL_LEN),
+                                 cfg.max_position_embeddings)
+        # The registry picks dense or MoE by the checkpoint's architecture (part 11); a rank's
+        # experts come from its place in the group (its layers' tp_rank).
+        use_triton = config.use_triton if config.use_triton is not None else self.device.type == "cuda"
+        # Part 14: the weights' format, for every linear layer (and the experts), through the factory.
+        quant = get_quant_config(config.quantization, self.model_path, cfg, config.quantization_group_size,
+                                 config.quantize_lm_head)
+        layers = layers or LayerFactory()
+        layers.quant_config = quant
+        self.model = get_model(self.model_path, self.device, self.dtype, self.max_model_len, config.load_format,
+                               layers, config.enable_expert_parallel, use_triton)
+        self.model_config = c = self.model.config
+        self.block_size = config.block_size
+        # The KV heads this process holds: all of them, or its rank's share (the budget is per rank).
+        kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        self.num_blocks = num_blocks_for_budget(config.kv_cache_memory_mb * 2**20, c.num_hidden_layers,
+                                                kv_heads, c.head_dim, self.block_size, self.dtype)
+        if self.num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_mb={config.kv_cache_memory_mb} holds fewer than 2 blocks")
+        self.attn = PagedAttention(c.num_hidden_layers, self.num_blocks, self.block_size,
+                                   kv_heads, c.head_dim, self.dtype, self.device,
+                                   use_triton=config.use_triton)
+        # Part 15: torch.compile of the model, attention left out of the graph (compilation.py).
+        self.compilation_mode = resolve_compilation_mode(config.compilation_mode, config.enforce_eager, self.device)
+        compile_model(self.model, self.attn, self.compilation_mode)
+        self.kv_transfer_config = resolve_kv_transfer_config(config)
+        self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.drafter = None
+        if config.speculative_method == "draft_model":
+            self.drafter = DraftModelProposer(
+                self.model, config.num_speculative_tokens, self.max_model_len, self.num_blocks,
+                self.block_size, self.device, self.dtype, config.speculative_model,
+                config.speculative_draft_layers, config.load_format, config.use_triton)
+        self.prev_sampled_token_ids: torch.Tensor | None = None
+        self.kv_connector = None  # register_kv_connector
+        self.kv_connector_info: dict = {}  # what the connector's scheduler half must know of it
+        if self.kv_transfer_config is not None:  # part 13: the connector's worker half
+            rank, size = (layers.tp_rank, layers.tp_size) if layers is not None else (0, 1)
+            connector = make_connector(self.kv_transfer_config, KVConnectorRole.WORKER, self.block_size,
+                                       device=self.device, rank=rank, tp_size=size,
+                                       bytes_per_block=self.attn.nbytes // self.num_blocks)
+            self.register_kv_connector(connector)
+            self.kv_connector_info = connector.info()
+        self.timeline: list[tuple[float, float]] | None = None  # (start, end) of each step, when on
+
+    def prepare_inputs(self, batch: list[SequenceBatchEntry], kv_connector_metadata: Any = None,
+                       grammar_output: GrammarOutput | None = None) -> ModelInput:
+        """The host half of a step: flatten the batch into tensors on the device."""
+        ids, positions, seq_lens, query_lens, slots, prev, last = [], [], [], [], [], [], []
+        for e in batch:
+            start, n = e.num_computed_tokens, e.num_new_tokens
+            ids += e.token_ids
+            if e.prev_row is not None:
+                slots.append(len(ids))
+                prev.append(e.prev_row)
+                ids.append(0)
+            ids += e.draft_token_ids
+            positions += range(start, start + n)
+            seq_lens.append(start + n)
+            query_lens.append(n)
+            if e.sampling is not None:  # the newest token's row, and one per draft
+                last += range(len(ids) - 1 - len(e.draft_token_ids), len(ids))
+        meta = PagedAttentionMetadata.build([e.block_ids for e in batch], seq_lens, query_lens,
+                                            self.block_size, self.device)
+
+        def tensor(data):
+            return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
+
+        sampling = [e for e in batch if e.sampling is not None]
+        spec = None
+        if self.drafter is not None or any(e.draft_token_ids for e in sampling):
+            spec = self._prepare_spec(batch, sampling, tensor)
+        return ModelInput(tensor(ids), tensor(positions), meta, tensor(last),
+                          tensor(slots) if slots else None, tensor(prev) if prev else None,
+                          [e.sampling for e in sampling], [e.prev_row for e in sampling], spec,
+                          kv_connector_metadata, grammar_output)
+
+    def _prepare_spec(self, batch: list[SequenceBatchEntry], sampling: list[SequenceBatchEntry],
+                      tensor) -> SpecInput:
+        draft_slots, row = [], 0
+        for e in batch:
+            row += len(e.token_ids) + (e.prev_row is not None)
+            if e.sampling is not None:
+                draft_slots += range(row, row + len(e.draft_token_ids))
+            row += len(e.draft_token_ids)
+        meta = SpecDecodeMetadata.from_drafts([e.draft_token_ids for e in sampling])
+        passes = self._plan_draft_passes(batch, sampling, tensor) if self.drafter is not None else None
+        return SpecInput(meta, [e.sampling for e in sampling], [e.min_tokens_left for e in sampling],
+                         tensor(draft_slots), passes)
+
+    def _plan_draft_passes(self, batch: list[SequenceBatchEntry], sampling: list[SequenceBatchEntry],
+                           tensor) -> list[DraftPass]:
+        """The catch-up pass: every entry's known tokens that the draft's KV lacks (a prompt chunk,
+        or the newest token, plus the last accepted draft when all of them were accepted); its
+        last row gives each speculating sequence's first draft. Then pass j (1..k-1) feeds draft
+        j-1 back, one token per sequence still drafting. All within the slots the target needs."""
+        spec_of = {id(e): i for i, e in enumerate(sampling) if e.draft_token_ids}
+        ids, positions, seq_lens, query_lens, last, seqs = [], [], [], [], [], []
+        for e in batch:
+            end = e.num_computed_tokens + len(e.token_ids)
+            ids += e.draft_input_ids
+            positions += range(end - len(e.draft_input_ids), end)
+            seq_lens.append(end)
+            query_lens.append(len(e.draft_input_ids))
+            if id(e) in spec_of:
+                last.append(len(ids) - 1)
+                seqs.append(spec_of[id(e)])
+        bs, dev = self.block_size, self.device
+        passes = [DraftPass(PagedAttentionMetadata.build([e.block_ids for e in batch], seq_lens, query_lens, bs, dev),
+                            tensor(positions), tensor(ids), None, tensor(last), seqs)]
+        for j in range(1, max((len(e.draft_token_ids) for e in sampling), default=0)):
+            prev_seqs = passes[-1].seqs
+            entries = [(r, i) for r, i in enumerate(prev_seqs) if len(sampling[i].draft_token_ids) > j]
+            ends = [sampling[i].num_computed_tokens + len(sampling[i].token_ids) + j for _, i in entries]
+            meta = PagedAttentionMetadata.build([sampling[i].block_ids for _, i in entries], ends,
+                                                [1] * len(entries), bs, dev)
+            passes.append(DraftPass(meta, tensor([p - 1 for p in ends]), None, tensor([r for r, _ in entries]),
+                                    tensor(list(range(len(entries)))), [i for _, i in entries]))
+        return passes
+
+    def register_kv_connector(self, connector) -> None:
+        """Hand a KV connector (parts 12-13: a host tier, a transfer to another engine) this process's
+        KV cache tensors; from then on every step binds the connector's metadata, lets it start its
+        loads before the forward pass and collect its finished transfers after it."""
+        self.kv_connector = self.attn.kv_connector = connector
+        connector.register_kv_caches(self.attn.k_cache, self.attn.v_cache)
+
+    @torch.inference_mode()
+    def execute_model(self, inp: ModelInput) -> ModelRunnerOutput:
+        """The device half: fill in the previous step's tokens, run the model, sample. The
+        sampled ids stay on the device (the next step reads them there)."""
+        connector = self.kv_connector
+        if connector is not None:
+            connector.bind_connector_metadata(inp.kv_connector_metadata)
+            connector.start_load_kv()
+        sampled = self._forward_and_sample(inp)
+        kv_out = None
+        if connector is not None:
+            connector.wait_for_save()
+            kv_out = connector.get_finished()
+            connector.clear_connector_metadata()
+        return ModelRunnerOutput(sampled, kv_out)
+
+    def _forward_and_sample(self, inp: ModelInput) -> SampledBatch | RejectionOutput:
+        if inp.input_ids.numel() == 0:  # a step that only moves KV blocks (part 12)
+            return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
+        start = time.perf_counter()
+        input_ids = inp.input_ids
+        if inp.placeholder_slots is not None:
+            input_ids[inp.placeholder_slots] = self.prev_sampled_token_ids[inp.placeholder_prev_rows]
+        draft_probs = self._propose_on_device(inp) if inp.spec and inp.spec.draft_passes else None
+        with set_forward_context(self.attn, inp.metadata):
+            hidden = self.model(input_ids, inp.positions)
+        if inp.spec is not None and inp.rows:  # verify: 1..k+1 tokens per sequence
+            spec = inp.spec
+            logits = self._constrained(self.model.compute_logits(hidden[inp.logits_indices]), inp)
+            rows = [position_row(row, drafts, j, left)
+                    for row, drafts, left in zip(spec.rows, spec.meta.draft_token_ids, spec.min_tokens_left)
+                    for j in range(len(drafts) + 1)]
+            sampled = self.rejection_sampler(logits, rows, spec.meta, draft_probs)
+        elif inp.rows:
+            logits = self._constrained(self.model.compute_logits(hidden[inp.logits_indices]), inp)
+            sampled = self.sampler.sample(logits, self._complete_histories(inp))
+            self.prev_sampled_token_ids = sampled.token_ids
+        else:  # only prefill chunks that stop short of their prompt's end: nothing to sample
+            sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
+        if self.timeline is not None:
+            self.timeline.append((start, time.perf_counter()))
+        return sampled
+
+    @staticmethod
+    def _constrained(logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        """Structured outputs (part 15): the grammars' disallowed tokens get -inf before sampling.
+        The engine may still be filling the bitmask while the forward ran: wait for it here."""
+        out = inp.grammar_output
+        if out is None:
+            return logits
+        out.wait()
+        idx = torch.tensor(out.indices, device=logits.device)
+        allowed = unpack_bitmask(out.bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        return logits
+
+    def _propose_on_device(self, inp: ModelInput) -> torch.Tensor | None:
+        """Run the draft model's passes, write its drafts into the target's input and return q for
+        each draft ([sum of k, V], sequence-major, as the rejection sampler reads it)."""
+        spec, drafter = inp.spec, self.drafter
+        drafts: dict[int, list[int]] = {i: [] for i in range(len(spec.rows))}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(spec.rows))}
+        prev = None
+        for p in spec.draft_passes:
+            input_ids = p.input_ids if p.input_ids is not None else prev[p.input_rows]
+            with set_forward_context(drafter.attn, p.metadata):
+                hidden = drafter.model(input_ids, p.positions)
+            if not p.seqs:
+                break
+            logits = drafter.model.compute_logits(hidden[p.logits_indices])
+            rows = [position_row(spec.rows[i], drafts[i], len(drafts[i]), spec.min_tokens_left[i]) for i in p.seqs]
+            prev, q = sample_drafts(logits, rows)
+            # The host needs the ids (penalty rows, the rejection sampler's bookkeeping): on a GPU
+            # this is one small sync per pass.
+            for r, (i, tok) in enumerate(zip(p.seqs, prev.tolist())):
+                drafts[i].append(tok)
+                probs[i].append(q[r])
+        flat = [t for i in range(len(spec.rows)) for t in drafts[i]]
+        if not flat:
+            return None
+        inp.input_ids[spec.draft_slots] = torch.tensor(flat, dtype=torch.long, device=self.device)
+        spec.meta = SpecDecodeMetadata.from_drafts([drafts[i] for i in range(len(spec.rows))])
+        return torch.stack([q for i in range(len(spec.rows)) for q in probs[i]])
+
+    def _complete_histories(self, inp: ModelInput) -> list[SamplingRow]:
+        """Penalties count a sequence's generated tokens, and the newest one may still be the
+        previous step's placeholder. Read those few ids back (vLLM patches them on the device;
+        a host read costs a sync on a GPU, only for rows with penalties)."""
+        rows = inp.rows
+        fix = [i for i, r in enumerate(rows) if inp.prev_rows[i] is not None and r.params.has_penalties]
+        if not fix:
+            return rows
+        ids = self.prev_sampled_token_ids[[inp.prev_rows[i] for i in fix]].tolist()
+        rows = list(rows)
+        for i, tok in zip(fix, ids):
+            rows[i] = dataclasses.replace(rows[i], output_token_ids=rows[i].output_token_ids + [tok])
+        return rows

@@ -1,0 +1,150 @@
+"""The paged attention backend: K/V live in fixed-size blocks of one preallocated pool, and each
+sequence reaches its blocks through a block table.
+
+Layout. Per layer, k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+Viewed flat as [num_blocks * block_size, KV, D], token slot `s` is row s, where
+s = block_id * block_size + position % block_size (see kv_cache_manager.compute_slot_mapping).
+
+A step's batch is flattened: the new tokens of sequence i are rows
+query_start_loc[i] : query_start_loc[i+1] of q/k/v, and they are the *last* q_len tokens of that
+sequence (positions seq_len - q_len .. seq_len - 1). So one metadata object describes decode
+(q_len == 1), a fresh prefill (q_len == seq_len) and a prefill on top of cached context
+(1 < q_len < seq_len) alike.
+
+A KV connector (part 13) may hook every layer: `wait_for_layer_load` before the layer reads its cache
+(a layer-by-layer loader overlaps the transfer with the layers before), `save_kv_layer` once the layer
+has written it.
+
+Two implementations of the same maths: Triton kernels (triton_kernels.py, the GPU path) and the
+torch reference below (the CPU path, and the oracle the kernels are tested against)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.attention import sdpa
+from shared.forward_context import AttentionBackend
+
+from .attention_metadata import PagedAttentionMetadata
+from .kv_cache_manager import cdiv
+
+
+def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new k, v [T, KV, D] in their slots of k_cache, v_cache [N, block_size, KV, D]."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    # .view (not reshape): a copy would silently drop the writes.
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens reached through block_ids [..., n]: [..., length, KV, D].
+    index_select copies whole blocks as rows, about 2x faster on CPU than cache[block_ids]."""
+    blocks = cache.index_select(0, block_ids.flatten())
+    return blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])[..., :length, :, :]
+
+
+@dataclass
+class _ReferencePlan:
+    """What the torch path derives from the metadata: the same for every layer of a step, so it
+    is worked out once, on the first layer, and reused by the other layers."""
+    decode_rows: torch.Tensor | None  # rows of q that are decode tokens (one per sequence)
+    decode_tables: torch.Tensor | None  # their block tables, cut to the longest of them
+    decode_len: int
+    decode_mask: torch.Tensor | None  # [Bd, decode_len]: True where a key exists
+    prefills: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, seq_len, blocks)
+
+
+def _reference_plan(metadata: PagedAttentionMetadata, block_size: int) -> _ReferencePlan:
+    if metadata._plan is not None:
+        return metadata._plan
+    starts = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    device = metadata.seq_lens.device
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    rows = tables = mask = None
+    max_len = 0
+    if decode:
+        rows = torch.tensor([starts[i] for i in decode], device=device)
+        idx = torch.tensor(decode, device=device)
+        max_len = max(seq_lens[i] for i in decode)
+        tables = metadata.block_tables[idx, :cdiv(max_len, block_size)].long()
+        mask = torch.arange(max_len, device=device)[None, :] < metadata.seq_lens[idx][:, None]
+    prefills = [(starts[i], n, seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], block_size)].long())
+                for i, n in enumerate(q_lens) if n > 1]
+    metadata._plan = _ReferencePlan(rows, tables, max_len, mask, prefills)
+    return metadata._plan
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        metadata: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, H, D] over everything each sequence has in the
+    cache (this step's K/V must already be stored). GQA when H is a multiple of KV. -> [T, H, D]"""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    plan = _reference_plan(metadata, k_cache.shape[1])
+
+    # Decode sequences (one new token each) go together: one gather of their blocks, padded to
+    # the longest, a mask hiding each one's padding, and one batched SDPA call. The query heads
+    # that share a KV head go in as rows of one query, [Bd, KV, H / KV, D], so each K/V head is
+    # read once per group rather than once per query head (1.7x faster than enable_gqa here).
+    if plan.decode_rows is not None:
+        k = _gather(k_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)  # [Bd, KV, L, D]
+        v = _gather(v_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)
+        qd = q[plan.decode_rows]
+        o = F.scaled_dot_product_attention(qd.view(qd.shape[0], k.shape[1], -1, qd.shape[-1]), k, v,
+                                           attn_mask=plan.decode_mask[:, None, None, :], scale=scale)
+        out[plan.decode_rows] = o.reshape(qd.shape)
+
+    # Longer queries one sequence at a time: gather its blocks; the causal mask is offset by the
+    # context already cached (q_start), which sdpa() handles.
+    for start, q_len, seq_len, tables in plan.prefills:
+        k, v = _gather(k_cache, tables, seq_len), _gather(v_cache, tables, seq_len)
+        out[start:start + q_len] = sdpa(q[start:start + q_len], k, v, scale, q_start=seq_len - q_len)
+    return out
+
+
+class PagedAttention(AttentionBackend):
+    """Owns the block-pool KV tensors of every layer; per layer it stores this step's K/V in
+    their slots, then attends through the block tables."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 scale: float | None = None, use_triton: bool | None = None):
+        device = torch.device(device)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: padded reads of never-written slots then meet finite numbers
+        # (NaN garbage times a zero attention weight would still be NaN).
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.use_triton = device.type == "cuda" if use_triton is None else use_triton
+        self.kv_connector = None  # part 13: its per-layer hooks (set by ModelRunner.register_kv_connector)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                metadata: PagedAttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
+        connector = self.kv_connector  # part 13: a connector may load or save layer by layer
+        if connector is not None:
+            connector.wait_for_layer_load(layer_idx)
+        if self.use_triton:
+            # Imported on first use: importing triton is slow, and a CPU run never needs it.
+            from . import triton_kernels
+
+            triton_kernels.reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+            out = triton_kernels.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        else:
+            reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
+            out = paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)
+        if connector is not None:
+            connector.save_kv_layer(layer_idx, k_cache, v_cache, metadata)
+        return out

@@ -1,0 +1,102 @@
+"""Who is who in a tensor-parallel group, and how its processes find each other.
+
+A group of `tensor_parallel_size` ranks may span `nnodes` machines, each running an equal share of
+the ranks: node k holds ranks k * per_node ... (k + 1) * per_node - 1. Rank 0 lives on node 0,
+next to the engine. Every rank joins the process group at the rendezvous address (node 0's
+address and a free port), so the same code runs on one host or several. The values come from
+flags, or else from the environment names that torchrun and cluster launchers set (MASTER_ADDR,
+MASTER_PORT, NNODES, NODE_RANK or torchrun's GROUP_RANK).
+
+Two process groups: the device group carries the model's all-reduces and all-gathers (gloo on CPU,
+NCCL on GPUs); a gloo group on the CPU carries the start-up's control messages (Python objects, not
+tensors). The steps themselves do not travel through torch.distributed: the driver publishes each
+one on a ZeroMQ socket every rank subscribes to (worker.py), so an idle server leaves no collective
+waiting, and every collective can have a short timeout: a hung or vanished rank surfaces as an
+error within `execute_model_timeout_s` instead of a hang.
+
+In vLLM: vllm/distributed/parallel_state.py (GroupCoordinator: device_group and cpu_group)."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    # The driver's ZeroMQ ports: steps out to every rank, results (and errors) back. Several nodes:
+    # the two ports after master_port; one node: free ones.
+    broadcast_port: int = 0
+    result_port: int = 0
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must divide evenly "
+                             f"over nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks that run on this node."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
+
+    @property
+    def broadcast_addr(self) -> str:
+        return f"tcp://{self.master_addr}:{self.broadcast_port}"
+
+    @property
+    def result_addr(self) -> str:
+        return f"tcp://{self.master_addr}:{self.result_port}"
+
+    @classmethod
+    def resolve(cls, tensor_parallel_size: int, nnodes: int | None = None, node_rank: int | None = None,
+                master_addr: str | None = None, master_port: int | None = None) -> "ParallelConfig":
+        """Flags first, then the launcher's environment, then single-node defaults (a free port)."""
+        env = os.environ
+        nnodes = nnodes or int(env.get("NNODES", 1))
+        if node_rank is None:
+            node_rank = int(env.get("NODE_RANK", env.get("GROUP_RANK", 0)))
+        master_addr = master_addr or env.get("MASTER_ADDR", "127.0.0.1")
+        master_port = master_port or int(env.get("MASTER_PORT", 0))
+        if not master_port:
+            if nnodes > 1:
+                raise ValueError("a group over several nodes needs --master-port (or MASTER_PORT)")
+            return cls(tensor_parallel_size, nnodes, node_rank, master_addr, free_port(), free_port(), free_port())
+        return cls(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, master_port + 1, master_port + 2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(parallel: ParallelConfig, rank: int, device: torch.device, config) -> dist.ProcessGroup:
+    """Join the group as `rank` (the device group becomes the default one, its collectives bounded
+    by the step timeout); returns the CPU group for start-up messages (bounded by the start-up
+    timeout: the other ranks may still be loading their shards)."""
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=parallel.init_method,
+                            rank=rank, world_size=parallel.tensor_parallel_size,
+                            timeout=timedelta(seconds=config.execute_model_timeout_s))
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.engine_ready_timeout_s))

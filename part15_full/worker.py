@@ -1,0 +1,207 @@
+"""A worker process: one tensor-parallel rank, with its shard of the model and of the KV cache.
+
+Every rank hears each step from the engine directly: the driver publishes the step's plain
+scheduling data once on a ZeroMQ PUB socket and every rank, on this node or another, has it at
+once (vLLM broadcasts the scheduler output the same way, through a shared-memory ring for local
+ranks). Every rank then prepares the same inputs, runs its shard of the same forward pass (the
+all-reduces meet in the middle) and samples the same tokens from the same all-gathered logits, so
+every rank also keeps the same placeholder tokens for the next step (part 05) without asking
+anyone. For that, their random streams must agree too: unseeded rows draw from each process's
+global generator, seeded from one value rank 0 broadcasts; a seeded sequence gets its own
+generator, made here from the seed on first sight and dropped when it finishes. Rank 0 sends the
+sampled tokens back; any rank that fails sends its traceback.
+
+Async scheduling survives the process hop: a receiver thread takes step N+1 off the socket and
+prepares its inputs while the main thread runs step N, and a sender thread copies step N's tokens
+to the host and sends them (on a GPU that copy waits for the step; the main thread does not).
+
+The only process that touches the network API is the engine's; workers never see a request.
+
+In vLLM: vllm/v1/executor/multiproc_executor.py (WorkerProc) and vllm/v1/worker/gpu_worker.py."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from shared.sampler import SampledBatch, make_generator
+
+from .config import EngineConfig
+from .model_runner import ModelRunner, ModelRunnerOutput, SequenceBatchEntry
+from .parallel_layers import TensorParallelLayers
+from .parallel_state import ParallelConfig, init_distributed
+
+
+DRIVER_SILENCE_MS = 10_000
+
+
+@dataclass
+class StepMessage:
+    """One step, as the engine publishes it to every rank."""
+    batch: list[SequenceBatchEntry]  # sampling rows without their generators
+    seeds: dict[str, int]  # seq_id -> seed, for the sequences with a seeded generator
+    finished_seq_ids: list[str]
+    # Whatever a KV connector's scheduler side sends its worker side with this step (parts 12-13).
+    kv_connector_metadata: Any = None
+    grammar_output: Any = None  # structured outputs' bitmask, filled (part 15)
+
+
+def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_threads: int) -> None:
+    """The body of a worker process (started with multiprocessing's spawn)."""
+    follow_parent()
+    torch.set_num_threads(num_threads)
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % parallel.ranks_per_node)
+        torch.cuda.set_device(device)
+    ctx = zmq.Context()
+    steps = ctx.socket(zmq.SUB)
+    # zmq's I/O thread answers heartbeats even while the driver's Python is busy, so silence means
+    # the driver (its process, or its host) is gone: the rank then disconnects and exits.
+    steps.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    steps.setsockopt(zmq.HEARTBEAT_TIMEOUT, DRIVER_SILENCE_MS)
+    gone = steps.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    steps.setsockopt(zmq.SUBSCRIBE, b"")
+    steps.connect(parallel.broadcast_addr)
+    results = ctx.socket(zmq.PUSH)
+    results.setsockopt(zmq.LINGER, 2000)
+    results.connect(parallel.result_addr)
+    try:
+        cpu_group = init_distributed(parallel, rank, device, config)
+        size = parallel.tensor_parallel_size
+        # A group of one needs no sharding and no collectives (each would still cost a call into gloo).
+        runner = ModelRunner(config, TensorParallelLayers(rank, size) if size > 1 else None, str(device))
+        seed = [int.from_bytes(os.urandom(4), "little")]
+        dist.broadcast_object_list(seed, src=0, group=cpu_group)
+        torch.manual_seed(seed[0])  # the same stream on every rank, for unseeded sampling
+        if rank == 0:
+            results.send(pickle.dumps(("ready", {
+                "model_path": runner.model_path, "model_config": runner.model_config,
+                "max_model_len": runner.max_model_len, "num_blocks": runner.num_blocks,
+                "block_size": runner.block_size, "kv_connector_info": runner.kv_connector_info,
+                "device": str(device)})))
+        WorkerProc(runner, rank, steps, gone, results).run()
+    except BaseException:
+        try:
+            results.send(pickle.dumps(("error", f"rank {rank}:\n{traceback.format_exc()}")))
+        except zmq.ZMQError:
+            pass
+        raise
+    finally:
+        if "runner" in locals() and runner.kv_connector is not None:
+            runner.kv_connector.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        ctx.destroy(linger=2000)
+
+
+class WorkerProc:
+    """Three threads: the receiver prepares step N+1's inputs while the main thread runs step N,
+    and (rank 0) the sender ships each step's tokens back as soon as they are on the host."""
+
+    def __init__(self, runner: ModelRunner, rank: int, steps: zmq.Socket, gone: zmq.Socket, results: zmq.Socket):
+        self.runner, self.rank = runner, rank
+        self.steps, self.gone, self.results = steps, gone, results
+        self.inputs: queue.SimpleQueue = queue.SimpleQueue()  # prepared steps, None: stop
+        self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # step results to send, None: stop
+        self.generators: dict[str, torch.Generator] = {}
+
+    def run(self) -> None:
+        receiver = threading.Thread(target=self._receive_loop, name="step-receiver", daemon=True)
+        receiver.start()
+        sender = threading.Thread(target=self._send_loop, name="result-sender", daemon=True)
+        if self.rank == 0:
+            sender.start()
+        try:
+            while (item := self.inputs.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                out = self.runner.execute_model(item)
+                if self.rank == 0:
+                    self.outputs.put(out)
+        finally:
+            self.outputs.put(None)
+            if sender.is_alive():
+                sender.join()
+
+    def _receive_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.steps, zmq.POLLIN)
+        poller.register(self.gone, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll())
+                if self.gone in events:  # the driver is gone (its process or its host)
+                    self.inputs.put(None)
+                    return
+                msg: StepMessage | None = pickle.loads(self.steps.recv())
+                if msg is None:  # shutdown
+                    self.inputs.put(None)
+                    return
+                self.inputs.put(self.runner.prepare_inputs(self._with_generators(msg), msg.kv_connector_metadata,
+                                                             msg.grammar_output))
+        except BaseException as e:  # re-raised by the main thread, which reports it
+            self.inputs.put(e)
+
+    def _with_generators(self, msg: StepMessage) -> list[SequenceBatchEntry]:
+        for seq_id in msg.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        for seq_id, s in msg.seeds.items():
+            if seq_id not in self.generators:
+                self.generators[seq_id] = make_generator(s, self.runner.device)
+        return [e if e.sampling is None or e.seq_id not in self.generators else
+                dataclasses.replace(e, sampling=dataclasses.replace(e.sampling, generator=self.generators[e.seq_id]))
+                for e in msg.batch]
+
+    def _send_loop(self) -> None:
+        while (out := self.outputs.get()) is not None:
+            self.results.send(pickle.dumps(("ok", _to_host(out))))
+
+
+def _to_host(out: ModelRunnerOutput) -> ModelRunnerOutput:
+    """The step's result, picklable: tensors moved to the CPU (on a GPU this waits for the step)."""
+    sampled = out.sampled
+    if isinstance(sampled, SampledBatch):
+        sampled = SampledBatch(**{f.name: v.cpu() if isinstance(v, torch.Tensor) else v
+                                  for f in dataclasses.fields(sampled) for v in [getattr(sampled, f.name)]})
+    return ModelRunnerOutput(sampled, out.kv_connector_output)  # a RejectionOutput is host data already
+
+
+def follow_parent() -> None:
+    """A child process lives and ends with its parent: Ctrl-C in a terminal reaches the whole process
+    group, but only the parent decides when to stop its children (it tells them); and a child whose
+    parent died (even by SIGKILL) must not linger, so a thread watches the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def join_all(procs: dict) -> int:
+    """Wait for a headless node's processes (workers, or part 10's engines) to end; kill what is
+    left if this process is interrupted. Returns the worst exit code."""
+    try:
+        for p in procs.values():
+            p.join()
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return max((abs(p.exitcode or 0) for p in procs.values()), default=0)
