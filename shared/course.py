@@ -464,10 +464,6 @@ def exercise_problems(stage: Stage, root: Path = ROOT) -> list[str]:
 
 # ------------------------------------------------------------------------------- lesson figures
 
-# Parts whose lessons are being rewritten: their figures are not checked yet. Temporary: take a
-# part out of this tuple as soon as its lesson quotes its notebook.
-LESSON_FIGURES_NOT_YET_CHECKED = ("09", "10", "11")
-
 _UNITS = sorted(["ms", "µs", "us", "s", "x", "×", "%", "tokens", "token", "tok/s", "tokens/s", "MiB", "GiB",
                  "KiB", "MB", "GB", "KB", "GB/s", "MB/s", "GFLOP/s", "TFLOP/s", "requests", "req/s", "steps",
                  "blocks"], key=len, reverse=True)
@@ -574,7 +570,7 @@ def figure_problems(stage: Stage, root: Path = ROOT) -> list[str]:
     import json
 
     lesson = stage.path / "README.md"
-    if f"{stage.number:02d}" in LESSON_FIGURES_NOT_YET_CHECKED or not lesson.is_file():
+    if not lesson.is_file():
         return []
     figures = lesson_figures(measured_section(lesson.read_text()))
     if not figures:

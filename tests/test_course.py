@@ -167,12 +167,6 @@ def test_check_catches_a_lesson_figure_its_notebook_never_printed(tmp_path):
     assert any("no notebooks/01_" in p for p in course.check(tmp_path))
 
 
-def test_lessons_not_yet_checked_are_a_short_explicit_list():
-    # Temporary, until those lessons are rewritten: the tuple names parts that exist.
-    numbers = {f"{s.number:02d}" for s in course.stages()}
-    assert set(course.LESSON_FIGURES_NOT_YET_CHECKED) <= numbers
-
-
 # ---- build it yourself: exercise and grade ----------------------------------------------------
 
 EXERCISE_STAGES = [s for s in course.stages() if course.exercise_functions(s)]
