@@ -130,6 +130,7 @@ class NixlConnector(KVConnectorBase):
         self.recv_done: set[str] = set()
         self.recv_failed: set[str] = set()
         self.bytes_received = self.blocks_received = 0  # what this worker pulled, for the lesson's counters
+        self.pull_seconds = 0.0
         self.ctx = zmq.Context()
         self.server = self.ctx.socket(zmq.ROUTER)
         self.server.setsockopt(zmq.LINGER, 0)
@@ -241,6 +242,7 @@ class NixlConnector(KVConnectorBase):
                 done.add(job.seq_id)
 
     def _pull_one(self, job: RecvJob, peers: dict) -> None:
+        start = time.perf_counter()
         k_cache, v_cache = self.kv_caches
         address = (job.host, job.port + self.rank)
         sock = peers.get(address)
@@ -266,6 +268,7 @@ class NixlConnector(KVConnectorBase):
             cache.index_copy_(1, ids, blocks.to(cache.device))
             self.bytes_received += len(data)
         self.blocks_received += len(job.local_block_ids)
+        self.pull_seconds += time.perf_counter() - start
         self._ask(sock, b"done", {"request_id": job.remote_request_id}, deadline)
 
     def _ask(self, sock: zmq.Socket, kind: bytes, msg: dict, deadline: float | None = None):
