@@ -12,7 +12,8 @@ registers**: each program loads a tile of packed int32 words, shifts and masks o
 On a CPU, torch offers packed-weight kernels (`torch._weight_int8pack_mm`,
 `aten._weight_int4pack_mm_for_cpu`), but on an AVX2 machine (the course's; AVX-512 ones were not
 measured) they ran 3-10x slower than fp32 `F.linear` at batch 1 and 20-50x at batch 32
-(bench_cpu_paths.py). The fastest correct path measured there puts the scale *after* the product:
+(notebook 14, section 4, times the candidates on the machine it runs on). The fastest correct
+path measured there puts the scale *after* the product:
 with one scale per (group, output),
 
     y[m, n] = sum over groups G of  scale[G, n] * (x[m, G] . q[n, G])
