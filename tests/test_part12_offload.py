@@ -8,7 +8,7 @@
 - cache_salt isolation holds in the host tier; with no host tier the engine is part 11's (same
   outputs, same steps, same preemptions); at TP 2 each rank copies its shard and the output equals TP 1.
 Part 13 moves the host tier behind its KV-connector interface (the OffloadingConnector) without
-changing what it does: every test here runs on both parts. The manager and its eviction policies are
+changing what it does: every test here runs on both parts, and on the latest. The manager and its eviction policies are
 tested model-free in test_offload_manager.py and test_cache_policy.py."""
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import torch
 from conftest import NEW_TOKENS, PARTS, build_llm, greedy, part_number, save_tiny
 from shared.sampling_params import SamplingParams
 
-HOST_TIER_PARTS = [p for p in PARTS if part_number(p) >= 12]
+# Part 12 (the host tier), part 13 (the same tier behind the KV-connector interface) and the latest
+# part (everything on top). Part 14 changes only the model's linear layers over part 13's engine.
+HOST_TIER_PARTS = sorted({p for p in PARTS if part_number(p) in (12, 13)} | {PARTS[-1]})
 
 
 @pytest.fixture(scope="module", params=HOST_TIER_PARTS)
