@@ -148,6 +148,8 @@ class MPClient(EngineClient):
                     r = decode(payload, Ready)
                     ready[r.engine_index] = r
                     self.coordinator.heard(r.engine_index)
+                elif kind == Event.ALIVE.value:  # a ready engine waiting for the others is not silent
+                    self.coordinator.heard(decode(payload, int))
                 elif kind == Event.DEAD.value:
                     d = decode(payload, Dead)
                     raise RuntimeError(f"engine {d.engine_index} failed to start:\n{d.traceback}")

@@ -231,21 +231,31 @@ def test_a_dead_engine_fails_only_its_requests(tiny):
         assert closed(client)
 
 
-def test_an_engine_on_another_host_serves_its_share(tiny):
-    port = free_port()
-    while True:  # two consecutive free ports
-        try:
-            import socket
+def two_free_ports() -> int:
+    """A port whose successor is free too (the DP RPC port and the outputs port)."""
+    import socket
 
+    while True:
+        port = free_port()
+        try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port + 1))
-            break
+            return port
         except OSError:
-            port = free_port()
+            continue
+
+
+def headless_engine_1(tiny, port: int) -> subprocess.Popen:
+    """Engine 1 of 2, as another host runs it: headless, connecting to this host's RPC port."""
     args = ["--model", str(tiny), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-mb", "4",
             "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
             "--data-parallel-rpc-port", str(port), "--num-threads", "1", "--headless"]
-    other_host = subprocess.Popen([sys.executable, "-m", "part10_dp.server", *args])
+    return subprocess.Popen([sys.executable, "-m", "part10_dp.server", *args])
+
+
+def test_an_engine_on_another_host_serves_its_share(tiny):
+    port = two_free_ports()
+    other_host = headless_engine_1(tiny, port)
     client = None
     try:
         client = dp_client(tiny, data_parallel_size_local=1, data_parallel_rpc_port=port, routing_policy="round_robin")
@@ -305,6 +315,47 @@ def test_engines_slower_to_load_than_the_silence_limit_serve(tiny):
         assert not client.dead
     finally:
         assert closed(client)
+
+
+def test_an_engine_ready_long_before_the_others_is_not_silent(tiny):
+    """Engine 0 is ready while engine 1 (on "another host") has not even started: the handshake
+    waits for it far longer than the silence limit, and engine 0's heartbeats during that wait
+    count, so it is not declared dead the moment the server starts serving."""
+    import threading
+
+    limit, port, box = 1.0, two_free_ports(), {}
+
+    def construct() -> None:
+        try:
+            box["client"] = dp_client(tiny, data_parallel_size_local=1, data_parallel_rpc_port=port,
+                                      engine_heartbeat_timeout_s=limit, engine_ready_timeout_s=120)
+        except BaseException as e:  # noqa: BLE001: reported below
+            box["error"] = e
+
+    maker = threading.Thread(target=construct)
+    maker.start()
+    other_host = None
+    try:
+        time.sleep(10)  # engine 0 spawns and loads in a few seconds, then waits for engine 1
+        other_host = headless_engine_1(tiny, port)
+        maker.join(timeout=150)
+        assert "client" in box, box.get("error")
+        client = box["client"]
+        time.sleep(limit / 2)  # several passes of the output loop's silence check
+        assert not client.dead and client.dead_error is None, client.dead
+
+        async def run():
+            return await asyncio.gather(*[run_one(client, p, SamplingParams(**GREEDY)) for p in prompts(4)])
+
+        assert all(o.finished for o in asyncio.run(run()))
+        assert closed(client)
+    finally:
+        maker.join(timeout=150)
+        if "client" in box:
+            box["client"].shutdown()
+        if other_host is not None and other_host.poll() is None:
+            other_host.kill()
+            other_host.wait()
 
 
 def test_a_broken_output_path_fails_every_request_and_health(tiny, caplog):
