@@ -69,6 +69,15 @@ def release_memory() -> None:
     import ctypes
     import gc
 
+    # FastAPI caches facts about every endpoint function it has seen (lru_caches keyed by the
+    # function), and a server's endpoints are closures over its engine: every app a test built
+    # would keep its engine alive for the rest of the session.
+    with contextlib.suppress(ImportError):
+        import fastapi.dependencies.models as fastapi_models
+
+        for obj in list(vars(fastapi_models).values()):
+            if callable(getattr(obj, "cache_clear", None)):
+                obj.cache_clear()
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
