@@ -323,7 +323,7 @@ def test_an_engine_ready_long_before_the_others_is_not_silent(tiny):
     count, so it is not declared dead the moment the server starts serving."""
     import threading
 
-    limit, port, box = 1.0, two_free_ports(), {}
+    limit, port, box = 2.0, two_free_ports(), {}  # heartbeats every 0.5 s: 4 missed before a false death
 
     def construct() -> None:
         try:
@@ -336,7 +336,7 @@ def test_an_engine_ready_long_before_the_others_is_not_silent(tiny):
     maker.start()
     other_host = None
     try:
-        time.sleep(10)  # engine 0 spawns and loads in a few seconds, then waits for engine 1
+        time.sleep(12)  # engine 0 spawns and loads in a few seconds, then waits for engine 1 past the limit
         other_host = headless_engine_1(tiny, port)
         maker.join(timeout=150)
         assert "client" in box, box.get("error")
