@@ -47,7 +47,9 @@ def assert_same(a, b):
             assert (ca.finish_reason, ca.stop_reason) == (cb.finish_reason, cb.stop_reason)
             if ca.logprobs is not None:
                 assert [sorted(d) for d in ca.logprobs] == [sorted(d) for d in cb.logprobs]
-                assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-4)
+                # Batches differ between the two runs, so fp32 sums differ by ~1e-5 per token over
+                # up to 14 tokens; a wrong logprob is >1e-2 off.
+                assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-3)
 
 
 def test_same_outputs_as_part04(llm04, llm05, prompt_token_ids):
