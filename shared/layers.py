@@ -65,10 +65,12 @@ class LinearMethodBase(QuantizeMethodBase):
 # CPU GEMMs on weights prepacked for oneDNN (the off-switch: VLLM_COURSE_CPU_PREPACK=0). A plain
 # F.linear re-lays-out the weight for the GEMM kernel on every call; at decode, a few rows against
 # a large weight, that costs as much as the multiply. Measured on a 2-core AVX2 EPYC (SmolLM2-135M's
-# shapes): the 30 layers' projections 1.8-2.1x faster at 2-8 rows, 1.24x at 32, even from 64 on;
-# the 49152-wide LM head 1.9-4.4x. One row is faster unpacked (0.85x), so it keeps F.linear.
+# shapes): the 30 layers' projections 1.8-2.1x faster at 2-8 rows, 1.24x at 32, even from 64 on
+# (0.85x at one row); the 49152-wide LM head 1.8-4.4x. Every row count takes the packed path: its
+# result for a row does not depend on how many rows come with it, where F.linear's single-row
+# kernel rounds differently from its batched one, so the same request would sample differently
+# alone and in a batch.
 CPU_PREPACK = os.environ.get("VLLM_COURSE_CPU_PREPACK", "1") != "0"
-PREPACK_MIN_ROWS = 2
 
 
 def cpu_prepack_supported(weight: torch.Tensor) -> bool:
@@ -79,9 +81,9 @@ def cpu_prepack_supported(weight: torch.Tensor) -> bool:
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """The default: one dense weight [out, in] in the model's dtype; on a CPU also a copy of it
-    prepacked for oneDNN's GEMM (`layer.packed_weight`, built once after loading). The dense weight
-    stays the parameter (loaders, tied embeddings and tests read it): a change to it after loading
-    must call process_weights_after_loading again."""
+    prepacked for oneDNN's GEMM (`layer.packed_weight`, built once after loading), which every call
+    uses. The dense weight stays the parameter (loaders, tied embeddings and tests read it): a
+    change to it after loading must call process_weights_after_loading again."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, weight_loader) -> None:
@@ -98,7 +100,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         packed = getattr(layer, "packed_weight", None)
         # torch.compile traces F.linear (Inductor packs weights itself); an opaque packed tensor
         # cannot be traced.
-        if packed is not None and x.numel() >= PREPACK_MIN_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
+        if packed is not None and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, layer.weight, bias)
 

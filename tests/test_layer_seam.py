@@ -143,3 +143,37 @@ def test_merged_slices_follow_a_packed_output_dim():
     gate_up = MergedLinear(8, [12, 12])
     with pytest.raises(ValueError, match="shape mismatch"):
         gate_up.weight_loader(gate_up.weight, torch.zeros(11, 8), 1)
+
+
+def test_cpu_linears_run_on_prepacked_weights_batch_invariant(tmp_path, monkeypatch):
+    """On a CPU every dense linear gets a oneDNN-prepacked copy of its weight after loading and
+    computes with it: within fp32 rounding of F.linear on the dense weight, and a row's result is
+    bit-for-bit the same alone or with any number of other rows (on the course machine F.linear's
+    single-row kernel rounds differently from its batched one; not asserted, as it varies with the
+    CPU). Off-switch: VLLM_COURSE_CPU_PREPACK=0 leaves F.linear."""
+    import shared.layers as layers
+
+    if not layers.cpu_prepack_supported(torch.zeros(1)):
+        pytest.skip("this torch has no oneDNN (mkldnn) build")
+    model = load_model(tiny_checkpoint(tmp_path / "ckpt"), CPU, torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None for m in linears)
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(960, 576, generator=gen)
+    x = torch.randn(300, 576, generator=gen)
+    layer = Linear(576, 960)
+    layer.weight.data.copy_(w)
+    layer.quant_method.process_weights_after_loading(layer)
+    with torch.no_grad():
+        full = layer(x)
+        torch.testing.assert_close(full, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+        for rows in (1, 2, 7, 64, 300):
+            assert torch.equal(layer(x[:rows]), full[:rows]), rows
+            assert torch.equal(layer(x[rows - 1:rows]), full[rows - 1:rows]), rows
+
+    monkeypatch.setattr(layers, "CPU_PREPACK", False)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.packed_weight is None
+    with torch.no_grad():
+        assert torch.equal(layer(x[:5]), torch.nn.functional.linear(x[:5], w))

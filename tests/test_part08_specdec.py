@@ -22,16 +22,31 @@ from shared.sampling_params import SamplingParams
 PART = "part08_specdec"
 
 
+SPEC_KWARGS = {None: {}, "ngram": dict(speculative_method="ngram"), "draft_model": dict(speculative_method="draft_model"),
+               # every layer: the target drafting for itself, so every draft is accepted (long runs)
+               "draft_model_all_layers": dict(speculative_method="draft_model", speculative_draft_layers=30)}
+
+
+class _SpecEngines(dict):
+    """spec_llms[method]: built on first use. The engine without speculation stays; of the others
+    only the last one asked for is kept (all four at once held ~5.5 GB)."""
+
+    def __missing__(self, method):
+        from conftest import build_llm, release_memory
+
+        if method is not None:
+            for other in [m for m in self if m is not None]:
+                del self[other]
+            release_memory()
+        self[method] = build_llm(PART, kv_cache_memory_mb=32, **SPEC_KWARGS[method])
+        return self[method]
+
+
 @pytest.fixture(scope="module")
 def spec_llms():
-    """One engine per proposer (k is changed between runs) and one without speculation."""
-    from conftest import build_llm
-
-    return {m: build_llm(PART, kv_cache_memory_mb=32, speculative_method=m) for m in ("ngram", "draft_model")} | {
-        None: build_llm(PART, kv_cache_memory_mb=32),
-        # every layer: the target drafting for itself, so every draft is accepted (long runs)
-        "draft_model_all_layers": build_llm(PART, kv_cache_memory_mb=32, speculative_method="draft_model",
-                                            speculative_draft_layers=30)}
+    """One engine per proposer (k is changed between runs; each test sets it) and one without
+    speculation."""
+    return _SpecEngines()
 
 
 @pytest.fixture(scope="module")
