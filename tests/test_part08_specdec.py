@@ -166,9 +166,11 @@ def test_eos_inside_an_accepted_run(spec_llms, prompt_token_ids):
     assert at_rest(llm)
 
 
-def test_max_model_len_is_never_passed(tmp_path_factory, prompts):
-    from conftest import build_llm
+def test_max_model_len_is_never_passed(spec_llms, prompts):
+    from conftest import build_llm, release_memory
 
+    spec_llms.clear()  # engines of their own here: the shared ones go (rebuilt when next asked for)
+    release_memory()
     plain = build_llm(PART, kv_cache_memory_mb=8, max_model_len=96)
     llm = build_llm(PART, kv_cache_memory_mb=8, max_model_len=96, speculative_method="ngram",
                     num_speculative_tokens=6)

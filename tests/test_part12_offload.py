@@ -20,6 +20,8 @@ import torch
 from conftest import NEW_TOKENS, PARTS, build_llm, greedy, part_number, save_tiny
 from shared.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("release_memory_after_each_test")
+
 # Part 12 (the host tier), part 13 (the same tier behind the KV-connector interface) and the latest
 # part (everything on top). Part 14 changes only the model's linear layers over part 13's engine.
 HOST_TIER_PARTS = sorted({p for p in PARTS if part_number(p) in (12, 13)} | {PARTS[-1]})

@@ -30,6 +30,8 @@ import pytest
 from conftest import free_port, greedy, running_server
 from shared.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("release_memory_after_each_test")
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
 COMMON = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory-mb", "64", "--num-threads", "1"]
