@@ -48,6 +48,11 @@ def start_server(port: int, kv: dict, log: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def tail(log: Path) -> str:
+    """The log's end without the access lines of health polls, which would hide why a server is down."""
+    return "\n".join(line for line in log.read_text().splitlines() if '"GET /health' not in line)[-3000:]
+
+
 def wait_healthy(url: str, procs: list[subprocess.Popen], log: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -56,8 +61,8 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], log: Path, timeout: fl
                 return
         except httpx.HTTPError:
             pass
-        assert all(p.poll() is None for p in procs), log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"{url} did not come up:\n{log.read_text()[-3000:]}"
+        assert all(p.poll() is None for p in procs), tail(log)
+        assert time.monotonic() < deadline, f"{url} did not come up:\n{tail(log)}"
         time.sleep(0.2)
 
 
@@ -302,13 +307,18 @@ def test_example_connector_finds_the_prefix_on_disk_in_another_engine_and_after_
     assert len(list(tmp_path.glob("*.safetensors"))) == (len(prompt) - 1) // 16 + (len(prompt) % 16 == 0)
 
 
+def launch(port: int, log: Path, *server_flags: str) -> subprocess.Popen:
+    ports = ["--prefill-port", str(free_port()), "--decode-port", str(free_port()), "--kv-port", str(free_port())]
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "part13_disagg.disagg_serve", "--port", str(port), *ports,
+                                 "--num-threads", "1", "--", *server_flags], cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def test_the_launcher_serves_and_ends_all_three_on_sigterm(reference, tmp_path):
     port = free_port()
     log = tmp_path / "launcher.log"
-    with open(log, "wb") as f:
-        launcher = subprocess.Popen([sys.executable, "-m", "part13_disagg.disagg_serve", "--port", str(port),
-                                     "--kv-port", str(free_port()), "--num-threads", "1", "--", *COMMON[:-2]],
-                                    cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    launcher = launch(port, log, *COMMON[:-2])
     try:
         wait_healthy(f"http://127.0.0.1:{port}", [launcher], log, timeout=180)
         r = client(f"http://127.0.0.1:{port}").completions.create(model=MODEL, prompt="The capital of France is",
@@ -324,6 +334,19 @@ def test_the_launcher_serves_and_ends_all_three_on_sigterm(reference, tmp_path):
         while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(Path(f"/proc/{c}").exists() for c in children)
+    finally:
+        end([launcher])
+
+
+def test_the_launcher_stops_when_a_server_fails_to_start(tmp_path):
+    """A server that exits (here: a flag it refuses) must end the launcher with code 1, not leave a proxy
+    answering 503 forever."""
+    log = tmp_path / "launcher.log"
+    launcher = launch(free_port(), log, *COMMON[:-2], "--no-such-flag")
+    try:
+        assert launcher.wait(timeout=120) == 1, tail(log)
+        assert "server exited with code 2; stopping" in log.read_text()
+        assert subprocess.run(["pgrep", "-g", str(launcher.pid)], capture_output=True).stdout == b""
     finally:
         end([launcher])
 

@@ -62,6 +62,8 @@ def localised(commands: list[str], folder: Path, ports: dict[str, str]) -> list[
         if argv[2] == "part15_full.server":
             argv += ["--served-model-name", MODEL, *TINY, "--num-threads", "1"]
         elif argv[2] == "part15_full.disagg_serve":
+            # Free ports for the trio, not --port's neighbours and the default side channel.
+            argv += [flag for name in ("prefill", "decode", "kv") for flag in (f"--{name}-port", str(free_port()))]
             argv += ["--num-threads", "1", "--", "--model", str(folder), "--served-model-name", MODEL, *TINY]
         out.append(argv)
     return out
