@@ -41,7 +41,7 @@ class InputProcessor:
         self._validate(ids, params)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
-        if params.stop and self.tokenizer.hf is None:
+        if params.stop and not self.tokenizer.available:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
                                       "stop")
         usable = self.num_blocks - 1  # all but the null block

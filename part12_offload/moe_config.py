@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import ModelConfig
-from shared.weights import generation_eos_token_ids
+from shared.weights import generation_eos_token_ids, read_hf_config
 
 # A MoE model's attention family: the dense model_type whose attention it has.
 ATTENTION_OF = {"mixtral": "mistral", "qwen2_moe": "qwen2"}
@@ -54,11 +54,13 @@ class MoEConfig:
 
 def load_configs(path: Path) -> tuple[ModelConfig, MoEConfig | None]:
     """(ModelConfig, MoEConfig or None for a dense model)."""
-    from transformers import AutoConfig
+    eos = generation_eos_token_ids(path)
 
-    hf, eos = AutoConfig.from_pretrained(path), generation_eos_token_ids(path)
-    if hf.model_type not in ATTENTION_OF:
-        return ModelConfig.from_hf(hf, eos_token_ids=eos), None
-    dense = copy.copy(hf)
-    dense.model_type = ATTENTION_OF[hf.model_type]
-    return ModelConfig.from_hf(dense, eos_token_ids=eos), MoEConfig.from_hf(hf)
+    def build(hf) -> tuple[ModelConfig, MoEConfig | None]:
+        if hf.model_type not in ATTENTION_OF:
+            return ModelConfig.from_hf(hf, eos_token_ids=eos), None
+        dense = copy.copy(hf)
+        dense.model_type = ATTENTION_OF[hf.model_type]
+        return ModelConfig.from_hf(dense, eos_token_ids=eos), MoEConfig.from_hf(hf)
+
+    return read_hf_config(path, build)

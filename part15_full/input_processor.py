@@ -37,7 +37,7 @@ class InputProcessor:
             eos = (tokenizer.eos_token_id,)
         self.eos_token_ids = tuple(eos)
         self._ids = itertools.count()
-        self.structured = structured or StructuredOutputManager(structured_outputs_backend, tokenizer.hf,
+        self.structured = structured or StructuredOutputManager(structured_outputs_backend, tokenizer,
                                                                 model_config.vocab_size, list(self.eos_token_ids))
         self.speculative_method = speculative_method
 
@@ -49,7 +49,7 @@ class InputProcessor:
         self._validate(ids, params)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
-        if params.stop and self.tokenizer.hf is None:
+        if params.stop and not self.tokenizer.available:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
                                       "stop")
         if getattr(params, "structured_outputs", None) is not None:

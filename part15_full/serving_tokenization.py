@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from shared.errors import InvalidRequestError
 from shared.protocol import ChatMessage
-from shared.tokenizer import NO_TOKENIZER, message_text
+from shared.tokenizer import NO_TOKENIZER, Tokenizer
 
 router = APIRouter()
 
@@ -71,11 +71,11 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def _hf(raw: HTTPRequest, param: str):
-    hf = raw.app.state.engine_client.tokenizer.hf
-    if hf is None:  # a config-only model (--load-format dummy without tokenizer files)
+def _tokenizer(raw: HTTPRequest, param: str) -> Tokenizer:
+    tokenizer = raw.app.state.engine_client.tokenizer
+    if not tokenizer.available:  # a config-only model (--load-format dummy without tokenizer files)
         raise InvalidRequestError(NO_TOKENIZER.split(":")[0], param)
-    return hf
+    return tokenizer
 
 
 @router.post("/tokenize")
@@ -83,28 +83,28 @@ async def tokenize(req: TokenizeRequest, raw: HTTPRequest) -> TokenizeResponse:
     serving = raw.app.state.serving
     serving.check_model(req.model)
     if isinstance(req, TokenizeChatRequest):
-        hf = _hf(raw, "messages")
-        if not hf.chat_template:
+        tokenizer = _tokenizer(raw, "messages")
+        if not tokenizer.chat_template:
             raise InvalidRequestError("this model has no chat template; tokenize a prompt instead", "messages")
         try:
-            text = hf.apply_chat_template([{"role": m.role, "content": message_text(m.content)} for m in req.messages],
-                                          add_generation_prompt=req.add_generation_prompt, tokenize=False)
+            text = tokenizer.render_chat([{"role": m.role, "content": m.content} for m in req.messages],
+                                         add_generation_prompt=req.add_generation_prompt)
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidRequestError(f"could not apply the chat template: {e}", "messages") from e
     else:
-        hf, text = _hf(raw, "prompt"), req.prompt
-    ids = hf(text, add_special_tokens=req.add_special_tokens).input_ids
-    strs = hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        tokenizer, text = _tokenizer(raw, "prompt"), req.prompt
+    ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids, token_strs=strs)
 
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, raw: HTTPRequest) -> DetokenizeResponse:
     raw.app.state.serving.check_model(req.model)
-    hf = _hf(raw, "tokens")
-    vocab = raw.app.state.engine_client.processor.model_config.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < min(vocab, len(hf))]
+    tokenizer = _tokenizer(raw, "tokens")
+    limit = min(raw.app.state.engine_client.processor.model_config.vocab_size, tokenizer.vocab_size)
+    bad = [t for t in req.tokens if not 0 <= t < limit]
     if bad:
-        raise InvalidRequestError(f"token ids must be in [0, {min(vocab, len(hf))}); got {bad[:5]}", "tokens")
+        raise InvalidRequestError(f"token ids must be in [0, {limit}); got {bad[:5]}", "tokens")
     # Special tokens are kept: /tokenize's ids (a chat template's markers included) come back whole.
-    return DetokenizeResponse(prompt=hf.decode(req.tokens, skip_special_tokens=False))
+    return DetokenizeResponse(prompt=tokenizer.decode(req.tokens, skip_special_tokens=False))

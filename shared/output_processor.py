@@ -13,7 +13,7 @@ from .tokenizer import Tokenizer
 class CompletionState:
     def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer,
                  prompt_token_ids: list[int], eos_token_ids: tuple[int, ...], max_model_len: int):
-        if params.stop and tokenizer.hf is None:
+        if params.stop and not tokenizer.available:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
                                       "stop")
         self.index = index

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -41,9 +41,48 @@ def served_model_name(model: str | None) -> str:
 
 
 def load_config(path: Path) -> ModelConfig:
-    from transformers import AutoConfig
+    return read_hf_config(path, lambda hf: ModelConfig.from_hf(hf, eos_token_ids=generation_eos_token_ids(path)))
 
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(path), eos_token_ids=generation_eos_token_ids(path))
+
+T = TypeVar("T")
+
+
+class _FieldNotInFile(Exception):
+    """Not an AttributeError on purpose: getattr(config, name, default) must not swallow it."""
+
+
+# Fields whose absence from config.json means exactly what the getattr defaults of ModelConfig.from_hf
+# say, for every supported model class (the class lacks the field, or defaults to the same value).
+ABSENT_MEANS_DEFAULT = {"hidden_act", "head_dim", "attention_bias", "mlp_bias", "use_sliding_window",
+                        "rope_scaling", "rope_parameters"}
+ABSENT_MEANS_DEFAULT_FOR = {"llama": {"sliding_window"}}
+
+
+class _JsonConfig:
+    """config.json's fields as attributes. Any other field a model class defaults (Mistral's
+    sliding_window, Llama's bos and eos ids) raises _FieldNotInFile: only transformers knows it."""
+
+    def __init__(self, fields: dict[str, Any]):
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ABSENT_MEANS_DEFAULT or \
+                name in ABSENT_MEANS_DEFAULT_FOR.get(self.__dict__.get("model_type"), ()):
+            raise AttributeError(name)
+        raise _FieldNotInFile(name)
+
+
+def read_hf_config(path: Path, build: Callable[[Any], T]) -> T:
+    """build(config) from config.json as written; if build reads a field the file leaves out, from
+    transformers' AutoConfig instead, which fills in the class default. Importing transformers costs
+    seconds in every process that loads a model (engines, workers), and files written by recent
+    save_pretrained hold every field."""
+    try:
+        return build(_JsonConfig(json.loads((Path(path) / "config.json").read_text())))
+    except (_FieldNotInFile, FileNotFoundError):
+        from transformers import AutoConfig
+
+        return build(AutoConfig.from_pretrained(path))
 
 
 def generation_eos_token_ids(path: Path) -> tuple[int, ...]:

@@ -378,3 +378,76 @@ def test_cached_conversion_matches_transformers(hf_gguf_state, model_path):
     assert cfg.rope_theta == hf_config.rope_parameters["rope_theta"]
     assert cfg.tie_word_embeddings == hf_config.tie_word_embeddings
     assert cfg.vocab_size == hf_config.vocab_size
+
+
+# ----------------------------------------------------------------------------- config.json without transformers
+
+def _with_every_field_left_out(path: Path):
+    """The folder's config.json as written, then with each of its fields left out in turn."""
+    full = json.loads((path / "config.json").read_text())
+    yield "nothing"
+    for key in full:
+        (path / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k != key}))
+        yield key
+
+
+MOE = {"mixtral": lambda: __import__("transformers").MixtralConfig(**{**TINY, "num_local_experts": 4}),
+       "qwen2_moe": lambda: __import__("transformers").Qwen2MoeConfig(
+           **{**TINY, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})}
+
+
+@pytest.mark.parametrize("case", [*CASES, *MOE])
+def test_config_read_from_the_file_equals_transformers_reading(tmp_path, case):
+    """Engines and workers read config.json themselves (importing transformers costs seconds a
+    process); where the file leaves out a field whose default only the model's class knows, they
+    ask transformers. Either way, with any one field missing, the result is transformers' own.
+    A long context and 4 heads make the class defaults visible (Mistral's 4096-token window, Qwen2's
+    32 KV heads, Llama's bos and eos ids)."""
+    from transformers import AutoConfig
+
+    from part15_full.moe_config import load_configs
+    from shared.config import ModelConfig
+    from shared.weights import generation_eos_token_ids
+
+    config = (CASES.get(case) or MOE[case])()
+    config.max_position_embeddings = 32768
+    config.save_pretrained(tmp_path)
+    for left_out in _with_every_field_left_out(tmp_path):
+        try:
+            hf = AutoConfig.from_pretrained(tmp_path)
+        except Exception:  # noqa: BLE001 - transformers itself refuses the file (no model_type, ...)
+            continue
+        if case in MOE:
+            from part15_full.moe_config import ATTENTION_OF, MoEConfig
+
+            dense = __import__("copy").copy(hf)
+            dense.model_type = ATTENTION_OF[hf.model_type]
+            want = ModelConfig.from_hf(dense, eos_token_ids=generation_eos_token_ids(tmp_path)), MoEConfig.from_hf(hf)
+            assert load_configs(tmp_path) == want, left_out
+        else:
+            want = ModelConfig.from_hf(hf, eos_token_ids=generation_eos_token_ids(tmp_path))
+            assert load_config(tmp_path) == want, left_out
+
+
+def test_a_mistral_file_without_its_window_falls_back_to_the_class_default(tmp_path):
+    """The fallback above is needed: read naively, this file has no window at all."""
+    config = _mistral()
+    config.max_position_embeddings = 32768
+    config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("sliding_window", None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_config(tmp_path).max_position_embeddings == 4096  # MistralConfig's sliding_window
+
+
+def test_loading_the_embedded_model_does_not_import_transformers():
+    """The speed this is for: an engine process starts without transformers (seconds per process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from part04_continuous_batching import LLM; from shared.sampling_params import "
+            "SamplingParams; llm = LLM(device='cpu', dtype='float32'); "
+            "llm.generate('Hi', SamplingParams(max_tokens=2)); assert 'transformers' not in sys.modules, 'imported'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -299,10 +299,12 @@ def test_bad_input_is_refused_by_the_api_server(tiny):
 
 # ---- the engine-client layer's defences (step 7) ------------------------------------------------
 
-def test_engines_slower_to_load_than_the_silence_limit_serve(tiny):
-    """Silence counts from an engine's ready: a start-up longer than the limit (two engines spawning,
-    importing torch and loading on two cores take several seconds) is not a death."""
+def test_engines_slower_to_load_than_the_silence_limit_serve(tiny, tmp_path, monkeypatch):
+    """Silence counts from an engine's ready: a start-up longer than the limit is not a death. The
+    engine processes start with a sitecustomize that sleeps past the limit (a big checkpoint's load)."""
     limit = 3.0
+    (tmp_path / "sitecustomize.py").write_text(f"import time\ntime.sleep({limit + 1})\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     start = time.monotonic()
     client = dp_client(tiny, engine_heartbeat_timeout_s=limit)
     try:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from shared.errors import InvalidRequestError
+from shared.tokenizer import Tokenizer
 
 from .backend_types import StructuredOutputBackend, StructuredOutputGrammar, StructuredOutputOptions
 from .bitmask import FULL_MASK, bitmask_width
@@ -68,7 +69,7 @@ class GrammarOutput:
 
 
 class StructuredOutputManager:
-    def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]):
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend_name = "xgrammar" if backend == "auto" else backend
@@ -84,15 +85,16 @@ class StructuredOutputManager:
         see a structured request."""
         with self._lock:
             if self._backend is None:
-                if self.tokenizer is None:
+                hf = self.tokenizer.hf  # the transformers tokenizer: both backends read its vocabulary
+                if hf is None:
                     raise InvalidRequestError("structured outputs need a tokenizer; this model has none",
                                               "structured_outputs")
                 if self.backend_name == "xgrammar":
                     from .backend_xgrammar import XgrammarBackend
-                    self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                    self._backend = XgrammarBackend(hf, self.vocab_size, self.eos_token_ids)
                 else:
                     from .backend_course import CourseBackend
-                    self._backend = CourseBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                    self._backend = CourseBackend(hf, self.vocab_size, self.eos_token_ids)
             return self._backend
 
     def compile(self, params) -> StructuredOutputGrammar:
