@@ -141,6 +141,7 @@ def check(root: Path = ROOT) -> list[str]:
                     problems.append(f"{s.name}/{MANIFEST} names shared/{f}:{name}, which does not exist")
         problems += exercise_problems(s, root)
         problems += figure_problems(s, root)
+        problems += excerpt_problems(s, root)
     return problems
 
 
@@ -582,6 +583,58 @@ def figure_problems(stage: Stage, root: Path = ROOT) -> list[str]:
     names = ", ".join(f"notebooks/{b.name}" for b in books)
     return [f"{stage.name}/README.md, measured section: {f.text!r} is not in the outputs of {names}"
             for f in dict.fromkeys(figures) if not figure_shown(f, numbers)]
+
+def code_section(markdown: str) -> str:
+    """The lesson's "The code" section (its code walk), up to the next heading of its level."""
+    heads = _headings(markdown)
+    lines = markdown.splitlines()
+    for i, (level, title, line) in enumerate(heads):
+        if title.strip().lower() == "the code":
+            end = next((ln for lv, _, ln in heads[i + 1:] if lv <= level), len(lines))
+            return "\n".join(lines[line + 1:end])
+    return ""
+
+
+def _code_of(line: str) -> str:
+    """A line without its indentation and trailing comment (an excerpt may comment differently): the
+    first " #" outside a string literal (quotes before it balanced) starts the comment."""
+    for m in re.finditer(r"\s#", line):
+        before = line[:m.start()]
+        if before.count('"') % 2 == 0 and before.count("'") % 2 == 0:
+            return before.strip()
+    return line.strip()
+
+
+def excerpt_lines(block: str) -> list[str]:
+    """The lines of an excerpt that must be in the code: not blank, not a comment, not an elision."""
+    return [c for c in map(_code_of, block.splitlines()) if c and not c.startswith(("#", "..."))]
+
+
+def _contains_in_order(lines: list[str], source: list[str]) -> int:
+    """How many of `lines`, in order, `source` holds (each after the one before)."""
+    it = iter(source)
+    return next((i for i, line in enumerate(lines) if not any(line == s for s in it)), len(lines))
+
+
+def excerpt_problems(stage: Stage, root: Path = ROOT) -> list[str]:
+    """The python excerpts of a lesson's code walk that are not the part's code: each one's lines
+    must appear, in order, in one file of the part or of shared/ (elisions `...` and comments aside),
+    so a lesson cannot show code the part no longer has."""
+    lesson = stage.path / "README.md"
+    if not lesson.is_file():
+        return []
+    blocks = re.findall(r"^```python\n(.*?)^```", code_section(lesson.read_text()), re.S | re.M)
+    files = [*stage.path.rglob("*.py"), *(root / "shared").rglob("*.py")]
+    sources = [[_code_of(line) for line in f.read_text().splitlines()] for f in files]
+    problems = []
+    for block in blocks:
+        lines = excerpt_lines(block)
+        best = max((_contains_in_order(lines, src) for src in sources), default=0)
+        if best < len(lines):
+            problems.append(f"{stage.name}/README.md, The code: an excerpt's line {lines[best]!r} "
+                            f"is not in the part's code (in that order)")
+    return problems
+
 
 def server_groups(root: Path = ROOT) -> list[list[Stage]]:
     """The parts grouped by byte-identical `server.py`, in part order; parts without one are left out.

@@ -167,6 +167,26 @@ def test_check_catches_a_lesson_figure_its_notebook_never_printed(tmp_path):
     assert any("no notebooks/01_" in p for p in course.check(tmp_path))
 
 
+def test_check_catches_a_code_excerpt_the_code_does_not_have(tmp_path):
+    copy_parts(tmp_path, "part09_tp")
+    (tmp_path / "shared").mkdir()
+    assert course.excerpt_problems(course.find_stage("09", tmp_path), tmp_path) == []
+    lesson = tmp_path / "part09_tp" / "README.md"
+    text = lesson.read_text()
+    line = "        dist.all_reduce(out)                     # the one collective of the block\n"
+    assert line in text and "dist.all_reduce(out)" in course.excerpt_lines(text)
+    # A drifted line, and the right lines out of order, are both caught; a changed comment is not.
+    for wrong in ("        dist.all_reduce(out, async_op=True)\n", None):
+        drifted = text.replace(line, wrong) if wrong else text.replace(
+            line, "").replace("    def forward(self, x: torch.Tensor) -> torch.Tensor:\n",
+                              "    def forward(self, x: torch.Tensor) -> torch.Tensor:\n" + line)
+        lesson.write_text(drifted)
+        problems = course.excerpt_problems(course.find_stage("09", tmp_path), tmp_path)
+        assert len(problems) == 1 and "not in the part's code" in problems[0], wrong
+    lesson.write_text(text.replace(line, "        dist.all_reduce(out)  # summed over the ranks\n"))
+    assert course.excerpt_problems(course.find_stage("09", tmp_path), tmp_path) == []
+
+
 # ---- build it yourself: exercise and grade ----------------------------------------------------
 
 EXERCISE_STAGES = [s for s in course.stages() if course.exercise_functions(s)]
