@@ -294,3 +294,40 @@ def test_serve_cli_runs_against_stub(stub_url, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["metrics"]["completed"] == 2 and len(data["records"]) == 2
     assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the README's scoreboard
+
+def _results(tps: dict[str, float], floor: float = 300.0) -> dict:
+    systems = [{"name": "ours" if name == "part15" else name, "output_tokens_per_s": v, "error": None,
+                "notes": {"engine": "part15_full"} if name == "part15" else {}} for name, v in tps.items()]
+    systems.append({"name": "hf-generate", "output_tokens_per_s": 1.0, "error": "failed", "notes": {}})
+    return {"systems": systems, "floor": {"output_tokens_per_s": floor},
+            "workload": {"num_requests": 32, "input_len": [48, 200], "output_len": [24, 120]},
+            "machine": {"device": "cpu", "dtype": "float32", "cpu_threads": 2}}
+
+
+def test_scoreboard_table_orders_parts_then_vllm_and_divides_right(tmp_path):
+    from shared.bench.scoreboard import plot, table
+
+    results = _results({"vllm": 150.0, "part15": 120.0, "part04": 100.0})
+    lines = table(results).splitlines()
+    assert lines[2:] == ["| part04 | 100.0 | 1.00x | 0.67x | 33% |", "| part15 | 120.0 | 1.20x | 0.80x | 40% |",
+                         "| vllm | 150.0 | 1.50x | 1.00x | 50% |"]
+    plot(results, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_the_readme_scoreboard_is_the_committed_run():
+    """The README's table is what `scoreboard` makes of notebooks/scoreboard.json (a measured run),
+    so it cannot drift from the numbers or be edited by hand."""
+    from pathlib import Path
+
+    from shared.bench.scoreboard import table
+
+    root = Path(__file__).resolve().parent.parent
+    results = json.loads((root / "notebooks" / "scoreboard.json").read_text())
+    assert table(results) in (root / "README.md").read_text()
+    assert (root / "notebooks" / "scoreboard.png").is_file()
+    engines = {s["notes"].get("engine") for s in results["systems"]}
+    assert {f"part{n:02d}" for n in range(4, 16)} <= {e[:6] for e in engines if e}

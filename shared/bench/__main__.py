@@ -1,4 +1,4 @@
-"""`python -m shared.bench {throughput,serve,roofline,perplexity} ...`: see each subcommand's --help."""
+"""`python -m shared.bench {throughput,serve,roofline,perplexity,scoreboard} ...`: see each subcommand's --help."""
 from __future__ import annotations
 
 import argparse
@@ -123,6 +123,13 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scoreboard(args: argparse.Namespace) -> int:
+    from .scoreboard import run_scoreboard
+
+    print(run_scoreboard(args.results, args.plot))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shared.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--max-tokens", type=int, default=16384)
     q.add_argument("--window", type=int, default=512)
     q.set_defaults(func=cmd_perplexity)
+
+    b = sub.add_parser("scoreboard", help="the README's table and chart from one throughput run's --json")
+    b.add_argument("results", help="a throughput --json file that measured several parts and vLLM")
+    b.add_argument("--plot", default=None, help="also draw the bar chart to this PNG")
+    b.set_defaults(func=cmd_scoreboard)
 
     args = parser.parse_args(argv)
     if getattr(args, "threads", None):
