@@ -331,3 +331,47 @@ def test_the_readme_scoreboard_is_the_committed_run():
     assert (root / "notebooks" / "scoreboard.png").is_file()
     engines = {s["notes"].get("engine") for s in results["systems"]}
     assert {f"part{n:02d}" for n in range(4, 16)} <= {e[:6] for e in engines if e}
+
+
+class _Rounds:
+    """A system whose rounds take scripted times; it remembers what the harness asked of it."""
+    name, notes = "scripted", {}
+
+    def __init__(self, walls, tokens=None):
+        self.walls, self.tokens, self.calls = list(walls), tokens, []
+
+    def load(self):
+        self.calls.append("load")
+
+    def prepare(self, requests):
+        pass
+
+    def generate(self, requests, progress=False):
+        warmup = len(requests) == 1 and len(requests[0].prompt_token_ids) == 4
+        self.calls.append("warmup" if warmup else "generate")
+        if not warmup:
+            time.sleep(self.walls.pop(0))
+        ids = [[7] * r.output_len for r in requests]
+        if not warmup and self.tokens is not None:
+            ids[0] = [self.tokens.pop(0)] * requests[0].output_len
+        return ids
+
+    def reset(self):
+        self.calls.append("reset")
+
+    def close(self):
+        self.calls.append("close")
+
+
+def test_rounds_reset_between_them_and_the_fastest_counts():
+    from shared.bench.throughput import measure_system
+
+    w = make_workload(None, 2, (8, 8), (3, 3), seed=0, token_pool=range(10, 90))
+    system = _Rounds([0.3, 0.05, 0.2])
+    res = measure_system(system, w, progress=False, rounds=3)
+    assert res.error is None, res.notes.get("traceback")
+    assert system.calls == ["load", "warmup", "generate", "reset", "generate", "reset", "generate", "close"]
+    assert 0.05 <= res.wall_s < 0.2 and len(res.notes["round_walls_s"]) == 3
+    # A round that answers differently is an error, not a faster number.
+    res = measure_system(_Rounds([0.01, 0.01], tokens=[1, 2]), w, progress=False, rounds=2)
+    assert res.error and "round 2 produced other tokens" in res.error

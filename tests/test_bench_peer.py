@@ -1,5 +1,5 @@
 """The vLLM peer of the throughput harness, without vLLM: the wrapper (shared/bench/vllm_peer.py)
-against a fake runner that speaks the vllm-peer/1 protocol (and breaks it on demand), and the
+against a fake runner that speaks the vllm-peer/2 protocol (and breaks it on demand), and the
 real runner (shared/bench/vllm_runner.py) against a fake `vllm` package. Each subprocess is a
 bare python that imports nothing heavy, so the whole file runs in a few seconds."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ FAKE_RUNNER = textwrap.dedent('''
     mode = os.environ.get("FAKE_MODE", "ok")
     log = open(os.environ["FAKE_LOG"], "a")
     def reply(op, **body):
-        sys.stdout.write(json.dumps({"protocol": "vllm-peer/1", "op": op, **body}) + "\\n")
+        sys.stdout.write(json.dumps({"protocol": "vllm-peer/2", "op": op, **body}) + "\\n")
         sys.stdout.flush()
     for line in sys.stdin:
         msg = json.loads(line)
@@ -47,6 +47,8 @@ FAKE_RUNNER = textwrap.dedent('''
             reply(op, ok=True, load_s=1.5, versions={"vllm": "0.0.fake", "torch": "x"},
                   settings={"dtype": msg["dtype"], "block_size": 128, "max_model_len": msg["max_model_len"],
                             "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}})
+        elif op == "reset":
+            reply(op, ok=True, reset=True)
         elif op == "generate":
             reqs = msg["requests"]
             if mode == "fail_generate":
@@ -116,6 +118,14 @@ def test_peer_round_trip_through_the_harness(fake):
                                    for r in w.requests]
 
 
+def test_rounds_reset_the_peer_between_them(fake):
+    res = measure_system(fake("ok"), _workload(), progress=False, rounds=3)
+    assert res.error is None, res.notes.get("traceback")
+    assert [m["op"] for m in fake.sent()] == ["load", "generate", "generate", "reset", "generate", "reset",
+                                              "generate", "close"]
+    assert res.notes["round_walls_s"] == [0.25, 0.25, 0.25]
+
+
 def test_dtype_given_as_torch_dtype_is_sent_by_name():
     import torch
 
@@ -136,7 +146,7 @@ def test_output_shorter_than_asked_is_flagged_not_credited(fake):
     ("fail_generate", "vLLM peer failed at 'generate': ValueError: boom"),
     ("crash_load", "vLLM peer runner exited (code 3) during 'load'"),
     ("garbage", "answered 'load' out of protocol"),
-    ("wrong_protocol", "want protocol vllm-peer/1"),
+    ("wrong_protocol", "want protocol vllm-peer/2"),
 ])
 def test_broken_peer_fails_with_a_clear_error(fake, mode, message):
     system = fake(mode)
@@ -208,6 +218,8 @@ FAKE_VLLM = textwrap.dedent('''
                 raise RuntimeError("cannot load broken")
         def generate(self, prompts, params, use_tqdm=False):
             return [_Req([p["prompt_token_ids"][-1]] * sp.max_tokens) for p, sp in zip(prompts, params)]
+        def reset_prefix_cache(self):
+            return True
 ''')
 FAKE_TORCH = "__version__ = '0.0.faketorch'\ndef set_num_threads(n): pass\n"
 
@@ -239,12 +251,14 @@ def test_real_runner_speaks_the_protocol(fake_vllm_path, tmp_path):
            {"op": "generate", "requests": [{"prompt_token_ids": [5, 6, 7], "output_len": 3},
                                            {"prompt_token_ids": [9], "output_len": 1}]},
            {"op": "bogus"},
+           {"op": "reset"},
            {"op": "close"}]
     proc, replies = _run_runner(fake_vllm_path, ops, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert [(r["protocol"], r["op"], r["ok"]) for r in replies] == [
         (PROTOCOL, "load", True), (PROTOCOL, "generate", True), (PROTOCOL, "bogus", False),
-        (PROTOCOL, "close", True)]
+        (PROTOCOL, "reset", True), (PROTOCOL, "close", True)]
+    assert replies[3]["reset"] is True
     load, gen = replies[0], replies[1]
     assert load["versions"]["vllm"] == "0.0.fake"
     kw = load["settings"]["llm_kwargs"]

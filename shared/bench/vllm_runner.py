@@ -5,7 +5,7 @@ transformers never meet ours. `shared/bench/vllm_peer.py` drives it; by hand:
 
     /path/to/peer-venv/bin/python shared/bench/vllm_runner.py --input ops.jsonl --output out.jsonl
 
-Protocol (vllm-peer/1): JSON lines in, one JSON line out per op, in order.
+Protocol (vllm-peer/2): JSON lines in, one JSON line out per op, in order.
 
     {"op": "load", "model": DIR, "dtype": "float32", "threads": 2, "max_model_len": 8192,
      "kv_cache_bytes": 1073741824, "max_num_seqs": null, "max_num_batched_tokens": null,
@@ -16,6 +16,7 @@ Protocol (vllm-peer/1): JSON lines in, one JSON line out per op, in order.
            greedy (temperature 0), ignore_eos, max_tokens = output_len; wall_s times only
            llm.generate (with building its SamplingParams and reading the ids back, as the
            harness times our engine), never start-up
+    {"op": "reset"} -> {"ok": true, "reset": true}   (llm.reset_prefix_cache(), between rounds)
     {"op": "close"} -> {"ok": true}, then exit 0
 
 Every reply carries "protocol" and "op"; a failed op answers {"ok": false, "error": ...,
@@ -32,7 +33,7 @@ import sys
 import time
 import traceback
 
-PROTOCOL = "vllm-peer/1"
+PROTOCOL = "vllm-peer/2"
 
 
 def _version(dist: str) -> str | None:
@@ -154,6 +155,11 @@ class Runner:
         # in-process; cpu_s / wall_s well under the thread count means the machine was busy).
         return {"wall_s": wall_s, "cpu_s": cpu_s, "token_ids": token_ids}
 
+    def reset(self, msg: dict) -> dict:
+        if self.llm is None:
+            raise RuntimeError("reset before load")
+        return {"reset": bool(self.llm.reset_prefix_cache())}
+
     def close(self, msg: dict) -> dict:
         self.llm = None
         return {}
@@ -185,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             msg = json.loads(line)
             op = msg.get("op", "?")
-            handler = {"load": runner.load, "generate": runner.generate, "close": runner.close}.get(op)
+            handler = {"load": runner.load, "generate": runner.generate, "reset": runner.reset,
+                       "close": runner.close}.get(op)
             if handler is None:
                 raise ValueError(f"unknown op {op!r}")
             body = handler(msg)
