@@ -375,3 +375,20 @@ def test_rounds_reset_between_them_and_the_fastest_counts():
     # A round that answers differently is an error, not a faster number.
     res = measure_system(_Rounds([0.01, 0.01], tokens=[1, 2]), w, progress=False, rounds=2)
     assert res.error and "round 2 produced other tokens" in res.error
+
+
+def test_interleaved_rounds_alternate_systems_and_keep_only_the_costly_one_loaded():
+    from shared.bench.throughput import measure_interleaved
+
+    w = make_workload(None, 2, (8, 8), (3, 3), seed=0, token_pool=range(10, 90))
+    a, b = _Rounds([0.02, 0.01]), _Rounds([0.01, 0.02])
+    b.keep_loaded = True
+    order = []
+    for s, tag in ((a, "a"), (b, "b")):
+        s.generate = (lambda f, t: lambda reqs, progress=False: (order.append(t), f(reqs, progress))[1])(s.generate, tag)
+    res = measure_interleaved([a, b], w, progress=False, rounds=2)
+    assert [r.error for r in res] == [None, None]
+    assert order == ["a", "a", "b", "b", "a", "a", "b"]  # (warm-up, round) of a, of b; a again; b reset
+    assert a.calls == ["load", "warmup", "generate", "close", "load", "warmup", "generate", "close"]
+    assert b.calls == ["load", "warmup", "generate", "reset", "generate", "close"]
+    assert all(0.01 <= r.wall_s < 0.02 for r in res)

@@ -15,7 +15,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -91,71 +91,127 @@ def warmup_requests(workload: Workload) -> list[BenchRequest]:
     return [BenchRequest(first.prompt_token_ids[:4], min(2, first.output_len))]
 
 
+class _Measurement:
+    """One system's measurement over one or more rounds: start (load, prepare, warm up), timed
+    rounds, then the rates of its fastest round. Every failure ends up in `result.error`."""
+
+    def __init__(self, system: BenchSystem, workload: Workload, progress: bool):
+        self.system, self.workload, self.progress = system, workload, progress
+        self.result = SystemResult(system.name, num_requests=workload.num_requests,
+                                   prompt_tokens=workload.prompt_tokens)
+        self.walls: list[float] = []
+        self.harness: list[float] = []
+        self.outputs: list[list[int]] | None = None
+        self.loaded = self.fresh = False
+
+    def _guard(self, step: Callable[[], None]) -> None:
+        if self.result.error is not None:
+            return
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - reported in the result, not swallowed
+            self.result.error = f"{type(e).__name__}: {e}"
+            self.result.notes["traceback"] = traceback.format_exc(limit=8)
+            self.close()
+
+    def start(self) -> None:
+        def step() -> None:
+            t0 = time.perf_counter()
+            self.loaded = self.fresh = True  # close() from here on, even after a failed load
+            self.system.load()
+            # An engine the caller built before the call has no load time we could see.
+            if self.result.load_s is None:
+                self.result.load_s = time.perf_counter() - t0 if getattr(self.system, "owned", True) else None
+            self.system.prepare(self.workload.requests)
+            t0 = time.perf_counter()
+            self.system.generate(warmup_requests(self.workload))
+            synchronize()
+            if self.result.warmup_s is None:
+                self.result.warmup_s = time.perf_counter() - t0
+        self._guard(step)
+
+    def round(self) -> None:
+        if not self.loaded:
+            self.start()  # the first round, or a system that is not kept loaded between rounds
+
+        def step() -> None:
+            if not self.fresh:  # loaded since an earlier round: forget that round's prefixes
+                self.system.reset()
+            self.fresh = False
+            t0 = time.perf_counter()
+            outputs = self.system.generate(self.workload.requests, progress=self.progress)
+            synchronize()
+            self.harness.append(time.perf_counter() - t0)
+            # A system that runs out of process (the vLLM peer) times its own generate call, so the
+            # JSON round trip of requests and outputs is not charged to it; our clock is kept beside.
+            inner = getattr(self.system, "last_generate_s", None)
+            self.walls.append(inner if inner is not None else self.harness[-1])
+            if self.outputs is None:
+                self.outputs = outputs
+            elif outputs != self.outputs:
+                raise RuntimeError(f"round {len(self.walls)} produced other tokens than round 1")
+        self._guard(step)
+
+    def close(self) -> None:
+        if self.loaded:
+            self.loaded = False
+            self.system.close()
+            free_memory()
+
+    def finish(self) -> SystemResult:
+        self.close()
+        result = self.result
+        result.notes.update(self.system.notes)
+        if result.error is None and self.walls:
+            best = min(range(len(self.walls)), key=self.walls.__getitem__)
+            if getattr(self.system, "last_generate_s", None) is not None:
+                result.notes["harness_wall_s"] = round(self.harness[best], 4)
+            if len(self.walls) > 1:
+                result.notes["round_walls_s"] = [round(w, 3) for w in self.walls]
+            expected = [r.output_len for r in self.workload.requests]
+            got = [len(o) for o in self.outputs]
+            result.lengths_ok = got == expected
+            result.output_tokens = sum(min(g, e) for g, e in zip(got, expected))
+            rates = throughput_rates(self.workload.num_requests, self.workload.prompt_tokens,
+                                     result.output_tokens, self.walls[best])
+            result.wall_s, result.requests_per_s = rates.wall_s, rates.requests_per_s
+            result.output_tokens_per_s = rates.output_tokens_per_s
+            result.total_tokens_per_s = rates.total_tokens_per_s
+            result.token_ids = self.outputs
+        return result
+
+
 def measure_system(system: BenchSystem, workload: Workload, progress: bool = True, rounds: int = 1) -> SystemResult:
     """Load, warm up and time one system over the workload. Never raises: a system that fails
     comes back with `error` set (the table prints it), so one broken baseline cannot hide the
     others. The outputs are kept in `token_ids` (run_throughput drops them unless asked).
     With `rounds` > 1 the workload runs that many times (the system reset in between: no prefix
     survives from one round to the next) and the fastest round counts; every round's wall time is
-    in notes["round_walls_s"]. A shared machine's noise only ever slows a round down, and the
-    first round also pays one-off costs the warm-up request does not reach (a GEMM library's
-    kernels for each new row count), which would otherwise tax whichever system runs first."""
+    in notes["round_walls_s"]. Several systems: run_throughput interleaves their rounds."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    result = SystemResult(system.name, num_requests=workload.num_requests,
-                          prompt_tokens=workload.prompt_tokens)
-    try:
-        t0 = time.perf_counter()
-        system.load()
-        # An engine the caller built before the call has no load time we could see.
-        result.load_s = time.perf_counter() - t0 if getattr(system, "owned", True) else None
-        system.prepare(workload.requests)
-        t0 = time.perf_counter()
-        system.generate(warmup_requests(workload))
-        synchronize()
-        result.warmup_s = time.perf_counter() - t0
+    m = _Measurement(system, workload, progress)
+    for _ in range(rounds):
+        m.round()
+    return m.finish()
 
-        walls, harness = [], []
-        for i in range(rounds):
-            if i:
-                system.reset()
-            t0 = time.perf_counter()
-            outputs = system.generate(workload.requests, progress=progress)
-            synchronize()
-            harness.append(time.perf_counter() - t0)
-            # A system that runs out of process (the vLLM peer) times its own generate call, so the
-            # JSON round trip of requests and outputs is not charged to it; our clock is kept beside.
-            inner = getattr(system, "last_generate_s", None)
-            walls.append(inner if inner is not None else harness[-1])
-            if i == 0:
-                first = outputs
-            elif outputs != first:
-                raise RuntimeError(f"round {i + 1} produced other tokens than round 1")
-        best = min(range(rounds), key=walls.__getitem__)
-        wall = walls[best]
-        if getattr(system, "last_generate_s", None) is not None:
-            result.notes["harness_wall_s"] = round(harness[best], 4)
-        if rounds > 1:
-            result.notes["round_walls_s"] = [round(w, 3) for w in walls]
 
-        expected = [r.output_len for r in workload.requests]
-        got = [len(o) for o in outputs]
-        result.lengths_ok = got == expected
-        result.output_tokens = sum(min(g, e) for g, e in zip(got, expected))
-        rates = throughput_rates(workload.num_requests, workload.prompt_tokens,
-                                 result.output_tokens, wall)
-        result.wall_s, result.requests_per_s = rates.wall_s, rates.requests_per_s
-        result.output_tokens_per_s = rates.output_tokens_per_s
-        result.total_tokens_per_s = rates.total_tokens_per_s
-        result.token_ids = outputs
-    except Exception as e:  # noqa: BLE001 - reported in the result, not swallowed
-        result.error = f"{type(e).__name__}: {e}"
-        result.notes["traceback"] = traceback.format_exc(limit=8)
-    finally:
-        result.notes.update(system.notes)
-        system.close()
-        free_memory()
-    return result
+def measure_interleaved(systems: Sequence[BenchSystem], workload: Workload, progress: bool,
+                        rounds: int) -> list[SystemResult]:
+    """Round 1 of every system, then round 2 of every system, ...; each round's fastest counts.
+    A shared machine's noise comes and goes over minutes: interleaved, a slow spell slows one
+    round of several systems rather than every round of one. Systems with a costly start-up
+    (`keep_loaded`: the vLLM peer) stay loaded and are reset between rounds; our engines load
+    afresh each round (under a second), so only one is in memory at a time."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    runs = [_Measurement(s, workload, progress) for s in systems]
+    for _ in range(rounds):
+        for m in runs:
+            m.round()
+            if not getattr(m.system, "keep_loaded", False):
+                m.close()
+    return [m.finish() for m in runs]
 
 
 def build_baselines(names: Sequence[str], model_path: Path, device: torch.device,
@@ -220,18 +276,25 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
     floor_info = _floor(model_path, workload, dev, dt) if floor else {}
 
     ours = EngineSystem(llm, model=model, device=device, dtype=dtype, engine_kwargs=engine_kwargs)
-    results = [measure_system(ours, workload, progress, rounds)]
-    for spec in compare:
-        results.append(measure_system(_compared_engine(spec, model, device, dtype, engine_kwargs),
-                                      workload, progress, rounds))
-    if vllm_python:
-        results.append(measure_system(_vllm_peer(vllm_python, ours, model_path, dt, engine_kwargs,
-                                                 vllm_kwargs, load_format), workload, progress, rounds))
     # HF's continuous batching gets the same batch limits as our engine when those are set.
-    for system in build_baselines(baselines, model_path, dev, dt, hf_batch_size,
-                                  hf_max_batch_tokens or engine_kwargs.get("max_num_batched_tokens"),
-                                  engine_kwargs.get("max_num_seqs"), load_format):
-        results.append(measure_system(system, workload, progress, rounds))
+    hf = build_baselines(baselines, model_path, dev, dt, hf_batch_size,
+                         hf_max_batch_tokens or engine_kwargs.get("max_num_batched_tokens"),
+                         engine_kwargs.get("max_num_seqs"), load_format)
+    compared = [_compared_engine(spec, model, device, dtype, engine_kwargs) for spec in compare]
+    if rounds == 1:
+        results = [measure_system(ours, workload, progress)]
+        results += [measure_system(system, workload, progress) for system in compared]
+        if vllm_python:  # built after ours ran: it takes ours' resolved context length and KV budget
+            results.append(measure_system(_vllm_peer(vllm_python, ours, model_path, dt, engine_kwargs,
+                                                     vllm_kwargs, load_format), workload, progress))
+        results += [measure_system(system, workload, progress) for system in hf]
+    else:
+        first = _Measurement(ours, workload, progress)
+        first.start()  # resolves ours' settings, which the peer copies
+        peer = [_vllm_peer(vllm_python, ours, model_path, dt, engine_kwargs, vllm_kwargs, load_format)] \
+            if vllm_python else []
+        first.close()
+        results = measure_interleaved([ours, *compared, *peer, *hf], workload, progress, rounds)
 
     ref = results[0]
     ratios: dict[str, dict[str, float]] = {}

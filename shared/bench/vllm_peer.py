@@ -52,6 +52,7 @@ def peer_python(explicit: str | None = None) -> str | None:
 
 class VllmPeerSystem(BenchSystem):
     name = "vllm"
+    keep_loaded = True  # a start-up of a minute: loaded once, reset between interleaved rounds
 
     def __init__(self, python: str | os.PathLike, model_path: str | os.PathLike, dtype: Any = "float32",
                  threads: int | None = None, max_model_len: int | None = None,
