@@ -51,7 +51,8 @@ def _plain_tokenizer(path: Path) -> tuple[Any, dict[str, str], str | None] | Non
     if not all(f.exists() for f in files):
         return None
     config = json.loads(files[1].read_text())
-    if config.get("tokenizer_class", PLAIN_TOKENIZER_CLASSES[0]) not in PLAIN_TOKENIZER_CLASSES \
+    # No class named: transformers picks one from the model type (a LlamaTokenizer...), so not plain.
+    if config.get("tokenizer_class") not in PLAIN_TOKENIZER_CLASSES \
             or {"add_bos_token", "add_eos_token"} & config.keys() or config.get("clean_up_tokenization_spaces"):
         return None  # transformers rewrites the post-processor, or cleans decoded text
     import tokenizers

@@ -64,6 +64,13 @@ def test_the_embedded_tokenizer_needs_no_transformers_and_equals_it(model_path):
     assert_same_as_transformers(tok, model_path)
 
 
+def test_a_pretrained_tokenizer_fast_class_is_plain_too(model_path, tmp_path):
+    folder = variant(model_path, tmp_path, tokenizer_class="PreTrainedTokenizerFast")
+    tok = Tokenizer(folder)
+    assert tok.backend == "tokenizers"
+    assert_same_as_transformers(tok, folder)
+
+
 def test_a_template_with_special_tokens_filters_and_exceptions(model_path, tmp_path):
     folder = variant(model_path, tmp_path, chat_template=TEMPLATE)
     (folder / "chat_template.jinja").unlink()
@@ -75,7 +82,7 @@ def test_a_template_with_special_tokens_filters_and_exceptions(model_path, tmp_p
 
 
 @pytest.mark.parametrize("config", [{"add_bos_token": True}, {"clean_up_tokenization_spaces": True},
-                                    {"tokenizer_class": "GPT2Tokenizer"}])
+                                    {"tokenizer_class": "GPT2Tokenizer"}, {"tokenizer_class": None}])
 def test_what_transformers_would_rewrite_goes_through_transformers(model_path, tmp_path, config):
     """transformers rebuilds the post-processor (add_bos_token), cleans decoded text, or builds a
     class of its own: the plain tokenizer.json would differ, so these load with AutoTokenizer."""
