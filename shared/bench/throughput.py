@@ -203,9 +203,12 @@ def measure_interleaved(systems: Sequence[BenchSystem], workload: Workload, prog
     round of several systems rather than every round of one. Systems with a costly start-up
     (`keep_loaded`: the vLLM peer) stay loaded and are reset between rounds; our engines load
     afresh each round (under a second), so only one is in memory at a time."""
+    return _interleave([_Measurement(s, workload, progress) for s in systems], rounds)
+
+
+def _interleave(runs: list[_Measurement], rounds: int) -> list[SystemResult]:
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    runs = [_Measurement(s, workload, progress) for s in systems]
     for _ in range(rounds):
         for m in runs:
             m.round()
@@ -290,11 +293,11 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
         results += [measure_system(system, workload, progress) for system in hf]
     else:
         first = _Measurement(ours, workload, progress)
-        first.start()  # resolves ours' settings, which the peer copies
+        first.start()  # resolves ours' settings, which the peer copies; its round 1 runs on this load
         peer = [_vllm_peer(vllm_python, ours, model_path, dt, engine_kwargs, vllm_kwargs, load_format)] \
             if vllm_python else []
-        first.close()
-        results = measure_interleaved([ours, *compared, *peer, *hf], workload, progress, rounds)
+        results = _interleave([first, *(_Measurement(s, workload, progress) for s in [*compared, *peer, *hf])],
+                              rounds)
 
     ref = results[0]
     ratios: dict[str, dict[str, float]] = {}
