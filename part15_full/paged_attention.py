@@ -15,8 +15,9 @@ A KV connector (part 13) may hook every layer: `wait_for_layer_load` before the 
 (a layer-by-layer loader overlaps the transfer with the layers before), `save_kv_layer` once the layer
 has written it.
 
-Two implementations of the same maths: Triton kernels (triton_kernels.py, the GPU path) and the
-torch reference below (the CPU path, and the oracle the kernels are tested against)."""
+Three implementations of the same maths: Triton kernels (triton_kernels.py, the GPU path), a C
+kernel that reads the blocks in place (cpu_attention.py, the CPU path of short queries: decode)
+and the torch reference below (the rest of the CPU path, and the oracle both are tested against)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -124,6 +125,12 @@ class PagedAttention(AttentionBackend):
         self.block_size = block_size
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.use_triton = device.type == "cuda" if use_triton is None else use_triton
+        self.cpu_kernel = None
+        if device.type == "cpu" and not self.use_triton:
+            from .cpu_attention import CpuPagedAttention, load_kernel  # it imports _gather from here
+
+            kernel = load_kernel()
+            self.cpu_kernel = CpuPagedAttention(kernel) if kernel is not None else None
         self.kv_connector = None  # part 13: its per-layer hooks (set by ModelRunner.register_kv_connector)
 
     @property
@@ -142,6 +149,8 @@ class PagedAttention(AttentionBackend):
 
             triton_kernels.reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
             out = triton_kernels.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        elif self.cpu_kernel is not None and self.cpu_kernel.supports(q, k_cache):
+            out = self.cpu_kernel.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
         else:
             reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
             out = paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)

