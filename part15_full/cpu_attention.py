@@ -73,7 +73,7 @@ def _cpu_id() -> str:
 def build(compiler: str | None = None) -> Path | None:
     """Compile the kernel (or find it compiled) -> the shared library's path; None if it cannot."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
+    if not compiler or not SOURCE.is_file():
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), platform.machine().encode(),
