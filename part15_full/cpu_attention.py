@@ -8,12 +8,12 @@ the time, next to the GEMMs. vLLM's CPU build has C++ kernels for this; torch ha
 a block table, and Inductor's code for the same maths, written in torch, was slower than the
 gather (measured while choosing).
 
-How. `csrc/paged_attention_cpu.c` (read it: ~100 lines) walks each row's block table and reads
-each key and value once, with an online softmax; threads split the rows by the keys they read.
-It takes query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's
-verification rows), each with its own causal length; longer queries (prefill) stay on the gather +
-SDPA path, where the GEMM-shaped work suits SDPA. The library is compiled once per source and
-machine with the system's C compiler (`cc`, or $CC) into ~/.cache/vllm-course and loaded with
+How. `csrc/paged_attention_cpu.c` (read it: ~160 lines) walks each row's block table and reads each
+key and value once, with an online softmax; threads split the rows by the keys they read. It takes
+query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's verification
+rows), each with its own causal length; longer queries (prefill) stay on the gather + SDPA path,
+where the GEMM-shaped work suits SDPA. The library is compiled once per source and machine with the
+system's C compiler (`cc`, or $CC) into ~/.cache/vllm-course ($VLLM_COURSE_CACHE) and loaded with
 ctypes; `make setup` builds it ahead. Without a compiler, or if the build fails, a warning says so
 and the torch path serves (the engine's results are the same, to float rounding).
 
@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(os.environ.get("VLLM_COURSE_CACHE_DIR", Path(root) / "vllm-course"))
+    """Beside the converted embedded model (shared/gguf_convert.py): $VLLM_COURSE_CACHE."""
+    return Path(os.environ.get("VLLM_COURSE_CACHE", Path.home() / ".cache" / "vllm-course"))
 
 
 def _cpu_id() -> str:

@@ -88,7 +88,7 @@ def test_shapes_beyond_the_kernel_take_the_reference_path():
 
 
 def test_the_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_COURSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
     path = cpu_attention.build()
     assert path is not None and path.parent == tmp_path and path.exists()
     assert list(tmp_path.iterdir()) == [path]  # no half-built temporary left behind
@@ -100,7 +100,7 @@ def test_the_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
 
 
 def test_without_a_compiler_the_torch_path_serves(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("VLLM_COURSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
     with caplog.at_level(logging.WARNING):
         assert cpu_attention.build(compiler="false") is None  # a "compiler" that always fails
     assert "could not build" in caplog.text and list(tmp_path.iterdir()) == []
