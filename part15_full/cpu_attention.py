@@ -162,10 +162,12 @@ class CpuPagedAttention:
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """fp32 on the CPU, within the kernel's fixed buffers (16 query heads per KV head, D <= 256)."""
+        """fp32 on the CPU, within the kernel's fixed buffers (up to 16 query heads per KV head,
+        head size and block size up to 256)."""
         heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
         return (q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu"
-                and heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256)
+                and heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256
+                and k_cache.shape[1] <= 256)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: PagedAttentionMetadata, scale: float) -> torch.Tensor:

@@ -80,6 +80,9 @@ def test_shapes_beyond_the_kernel_take_the_reference_path():
                              dtype=torch.float32, device="cpu")
     q = torch.randn(1, 32, 8)  # 32 query heads on one KV head: over the kernel's 16
     assert not backend.cpu_kernel.supports(q, backend.k_cache[0])
+    assert backend.cpu_kernel.supports(q[:, :16], backend.k_cache[0])
+    assert not backend.cpu_kernel.supports(q[:, :16], torch.zeros(2, 512, 1, 8))  # blocks over 256 tokens
+    assert not backend.cpu_kernel.supports(q[:, :16].double(), backend.k_cache[0].double())
     case = Case(32, 1, 8, 4, ((6, 1), (3, 3)))
     batch = make_batch(case)
     backend.k_cache, backend.v_cache = batch["k_cache"][None], batch["v_cache"][None]  # the context
