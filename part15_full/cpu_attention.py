@@ -81,11 +81,15 @@ def build(compiler: str | None = None) -> Path | None:
     target = _cache_dir() / f"paged_attention_cpu-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for flags in _FLAG_SETS:
         # Build beside the target, then rename: processes starting together never load half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        except OSError as e:  # a cache directory it may not write
+            logger.warning("could not build %s in %s: %s", SOURCE.name, target.parent, e)
+            return None
         os.close(fd)
         cmd = [compiler, *flags, "-fPIC", "-shared", "-pthread", str(SOURCE), "-o", tmp, "-lm"]
         try:
@@ -199,6 +203,7 @@ class CpuPagedAttention:
 
 
 if __name__ == "__main__":  # `make setup` builds the kernel ahead: python -m part15_full.cpu_attention
+    logging.basicConfig(format="setup: %(message)s")
     built = build()
     print(f"setup: CPU paged attention kernel {built}" if built else
-          "setup: CPU paged attention kernel not built (no working C compiler); the torch path serves")
+          "setup: CPU paged attention kernel not built; the torch path serves")

@@ -117,6 +117,14 @@ def test_without_a_compiler_the_torch_path_serves(tmp_path, monkeypatch, caplog)
         torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-4)
 
 
+def test_a_cache_it_cannot_write_means_no_kernel_not_a_crash(tmp_path, monkeypatch, caplog):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path / "a_file" / "cache"))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_attention.build() is None
+    assert "could not build" in caplog.text
+
+
 def test_the_off_switch(monkeypatch):
     monkeypatch.setattr(cpu_attention, "ENABLED", False)
     cpu_attention.load_kernel.cache_clear()
