@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from shared.attention import sdpa
+from shared.gguf_convert import cache_root
 
 from .attention_metadata import PagedAttentionMetadata
 from .kv_cache_manager import cdiv
@@ -52,11 +53,6 @@ ENABLED = os.environ.get("VLLM_COURSE_CPU_ATTENTION", "1") != "0"
 # (without -fopenmp the kernel starts its own threads).
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O2"])
 logger = logging.getLogger(__name__)
-
-
-def _cache_dir() -> Path:
-    """Beside the converted embedded model (shared/gguf_convert.py): $VLLM_COURSE_CACHE."""
-    return Path(os.environ.get("VLLM_COURSE_CACHE", Path.home() / ".cache" / "vllm-course"))
 
 
 def _cpu_id() -> str:
@@ -78,7 +74,7 @@ def build(compiler: str | None = None) -> Path | None:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), platform.machine().encode(),
                                       _cpu_id().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention_cpu-{key}.so"
+    target = cache_root() / f"paged_attention_cpu-{key}.so"  # beside the converted model
     if target.exists():
         return target
     errors = []
@@ -115,6 +111,11 @@ def load_kernel():
     if path is None:
         logger.warning("CPU paged attention: no kernel, using the torch path (gather + SDPA)")
         return None
+    return bind(path)
+
+
+def bind(path: Path):
+    """The library's one function, with its C signature declared for ctypes."""
     fn = ctypes.CDLL(str(path)).paged_attention_rows
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32,

@@ -90,6 +90,21 @@ def test_shapes_beyond_the_kernel_take_the_reference_path():
     assert max_err_vs_dense(out[:batch["num_tokens"]], batch, case) < 1e-4
 
 
+def test_a_build_without_openmp_runs_its_own_threads_and_matches(tmp_path, monkeypatch):
+    """The fallback for a compiler without -fopenmp: the same kernel on pthreads."""
+    monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_FLAG_SETS", (["-O2"],))
+    path = cpu_attention.build()
+    assert path is not None
+    kernel = cpu_attention.CpuPagedAttention(cpu_attention.bind(path))
+    case = KERNEL_CASES["smollm9-3_d64_bs16_long_and_spec"]
+    batch = make_batch(case, seed=4)
+    n = batch["num_tokens"]
+    out = kernel.forward(batch["q"], batch["k"], batch["v"], batch["k_cache"], batch["v_cache"],
+                         batch["metadata"], batch["scale"])[:n]
+    assert max_err_vs_dense(out, batch, case) < 1e-4
+
+
 def test_the_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
     path = cpu_attention.build()
