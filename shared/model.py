@@ -19,7 +19,8 @@ from .layers import (LMHead, Linear, MergedLinear, QKVLinear, QuantizationConfig
 
 class LayerFactory:
     """The one seam through which the model builds the layers that later parts replace: its
-    projections, its MLP block, its embedding and its head. This default builds them dense. A part
+    projections, its MLP block, its embedding and its head (and its norms, rotary embedding and
+    activation, whose fused CPU kernels part 15 brings). This default builds them dense. A part
     that shards them across processes (09, tensor parallelism) or routes tokens to experts (11) hands
     the model a factory of its own folder, and this file stays as it is. Every linear layer is built
     with its `prefix` (its dotted name) and asks the factory's `quant_config` for its quantize method,
@@ -52,6 +53,16 @@ class LayerFactory:
 
     def lm_head(self, cfg: ModelConfig, prefix: str) -> LMHead:
         return LMHead(cfg.hidden_size, cfg.vocab_size, self.quant_config, prefix)
+
+    # The elementwise layers, in torch here; part 15 hands in fused CPU kernels for them.
+    def rms_norm(self, cfg: ModelConfig) -> RMSNorm:
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def rotary_embedding(self, cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def silu_and_mul(self) -> SiluAndMul:
+        return SiluAndMul()
 
 
 class WrappedLayers:
@@ -102,7 +113,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: LayerFactory, prefix: str):
         super().__init__()
         self.gate_up_proj = layers.gate_up_proj(cfg, f"{prefix}.gate_up_proj")
-        self.act = SiluAndMul()
+        self.act = layers.silu_and_mul()
         self.down_proj = layers.down_proj(cfg, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,9 +124,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, layers: LayerFactory,
                  prefix: str):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = layers.rms_norm(cfg)
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary, layers, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = layers.rms_norm(cfg)
         self.mlp = layers.mlp(cfg, layer_idx, f"{prefix}.mlp")
 
     def forward(self, positions, x, residual):
@@ -138,12 +149,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         layers = layers or LayerFactory()
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                 cfg.rope_theta, cfg.rope_scaling)
+        rotary = layers.rotary_embedding(cfg, max_positions or cfg.max_position_embeddings)
         self.embed_tokens = layers.embed_tokens(cfg, "model.embed_tokens")
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, layers, f"model.layers.{i}")
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = layers.rms_norm(cfg)
         self.lm_head = layers.lm_head(cfg, "lm_head")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

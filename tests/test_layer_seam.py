@@ -1,5 +1,5 @@
-"""The seams in shared/: every layer a later part replaces (projections, MLP block, embedding, head)
-is built through the LayerFactory handed to the model, with its prefix (its dotted name); every
+"""The seams in shared/: every layer a later part replaces (projections, MLP block, embedding, head,
+and the norms, rotary embedding and activation) is built through the LayerFactory handed to the model, with its prefix (its dotted name); every
 linear layer gets its weights' format from its quantize method. A factory of its own reaches every
 layer of every decoder layer, its layers load the checkpoint through their own weight loaders, and
 a factory that changes a layer changes the output (so the seam is really used); a format of the
@@ -65,6 +65,15 @@ class Recording(LayerFactory):
     def lm_head(self, cfg, prefix):
         return self._made("lm_head", prefix, super().lm_head(cfg, prefix))
 
+    def rms_norm(self, cfg):
+        return self._made("rms_norm", "", super().rms_norm(cfg))
+
+    def rotary_embedding(self, cfg, max_positions):
+        return self._made("rotary_embedding", "", super().rotary_embedding(cfg, max_positions))
+
+    def silu_and_mul(self):
+        return self._made("silu_and_mul", "", super().silu_and_mul())
+
 
 class DoubledDown(WrappedLayers):
     """A factory that changes one layer of another: the MLP's down projection returns twice its output."""
@@ -92,8 +101,10 @@ def test_a_factory_builds_every_replaceable_layer(tmp_path):
     n = load_config(path).num_hidden_layers
     per_layer = [("qkv_proj", "self_attn.qkv_proj"), ("o_proj", "self_attn.o_proj"), ("mlp", "mlp"),
                  ("gate_up_proj", "mlp.gate_up_proj"), ("down_proj", "mlp.down_proj")]
+    elementwise = [("rms_norm", "")] * (2 * n + 1) + [("silu_and_mul", "")] * n + [("rotary_embedding", "")]
     assert sorted(factory.calls) == sorted([("embed_tokens", "model.embed_tokens"), ("lm_head", "lm_head")]
-                                           + [(k, f"model.layers.{i}.{p}") for i in range(n) for k, p in per_layer])
+                                           + [(k, f"model.layers.{i}.{p}") for i in range(n) for k, p in per_layer]
+                                           + elementwise)
     made = [m for m in model.modules() if getattr(m, "made_by", None) == "recording"]
     assert len(made) == len(factory.calls)
     assert all(type(layer.self_attn.qkv_proj).__name__ == "MyQKV" for layer in model.layers)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import part15_full.cpu_attention as cpu_attention
+import part15_full.cpu_build as cpu_build
 from part15_full.paged_attention import PagedAttention, paged_attention_ref, reshape_and_cache_ref
 
 from test_paged_kernels import CASES, Case, make_batch, max_err_vs_dense, run_backend_steps
@@ -93,8 +94,8 @@ def test_shapes_beyond_the_kernel_take_the_reference_path():
 def test_a_build_without_openmp_runs_its_own_threads_and_matches(tmp_path, monkeypatch):
     """The fallback for a compiler without -fopenmp: the same kernel on pthreads."""
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_FLAG_SETS", (["-O2"],))
-    path = cpu_attention.build()
+    monkeypatch.setattr(cpu_build, "_FLAG_SETS", (["-O2"],))
+    path = cpu_build.build(cpu_attention.SOURCE)
     assert path is not None
     kernel = cpu_attention.CpuPagedAttention(cpu_attention.bind(path))
     case = KERNEL_CASES["smollm9-3_d64_bs16_long_and_spec"]
@@ -107,20 +108,20 @@ def test_a_build_without_openmp_runs_its_own_threads_and_matches(tmp_path, monke
 
 def test_the_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
-    path = cpu_attention.build()
+    path = cpu_build.build(cpu_attention.SOURCE)
     assert path is not None and path.parent == tmp_path and path.exists()
     assert list(tmp_path.iterdir()) == [path]  # no half-built temporary left behind
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
     monkeypatch.setattr(subprocess, "run", no_compiling)
-    assert cpu_attention.build() == path
+    assert cpu_build.build(cpu_attention.SOURCE) == path
 
 
 def test_without_a_compiler_the_torch_path_serves(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
     with caplog.at_level(logging.WARNING):
-        assert cpu_attention.build(compiler="false") is None  # a "compiler" that always fails
+        assert cpu_build.build(cpu_attention.SOURCE, compiler="false") is None  # a "compiler" that always fails
     assert "could not build" in caplog.text and list(tmp_path.iterdir()) == []
 
     monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
@@ -136,7 +137,7 @@ def test_a_cache_it_cannot_write_means_no_kernel_not_a_crash(tmp_path, monkeypat
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path / "a_file" / "cache"))
     with caplog.at_level(logging.WARNING):
-        assert cpu_attention.build() is None
+        assert cpu_build.build(cpu_attention.SOURCE) is None
     assert "could not build" in caplog.text
 
 

@@ -1,0 +1,83 @@
+"""Part 15's C kernels for the CPU (csrc/*.c): compiled once per source, compiler and CPU, cached.
+
+A kernel is a plain C file with no Python in it, compiled with the system's C compiler (`cc`, or
+$CC) into a shared library in ~/.cache/vllm-course ($VLLM_COURSE_CACHE, beside the converted
+model) and loaded with ctypes by the module that uses it (cpu_attention.py, cpu_ops.py). `make
+setup` builds them ahead (`python -m part15_full.cpu_build`). Without a compiler, or if a build
+fails, a warning says so and the torch path serves: the engine's results are the same, to float
+rounding. Nothing is compiled at install time, and a C file changed by a reader is rebuilt at its
+next use (the cache key holds the source)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from shared.gguf_convert import cache_root
+
+CSRC = Path(__file__).with_name("csrc")
+# Tried in order: -march=native is what makes the loops AVX2/AVX-512; -fopenmp runs the kernels on
+# torch's OpenMP threads (see paged_attention_cpu.c); a compiler that refuses a flag gets the next,
+# plainer line (without -fopenmp the attention kernel starts its own threads).
+_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O2"])
+logger = logging.getLogger(__name__)
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: a library built on one CPU may not run on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(source: Path, compiler: str | None = None) -> Path | None:
+    """Compile `source` (or find it compiled) -> the shared library's path; None if it cannot."""
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler or not source.is_file():
+        return None
+    text = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, compiler.encode(), platform.machine().encode(),
+                                      _cpu_id().encode()])).hexdigest()[:16]
+    target = cache_root() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    errors = []
+    for flags in _FLAG_SETS:
+        # Build beside the target, then rename: processes starting together never load half a file.
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        except OSError as e:  # a cache directory it may not write
+            logger.warning("could not build %s in %s: %s", source.name, target.parent, e)
+            return None
+        os.close(fd)
+        cmd = [compiler, *flags, "-fPIC", "-shared", "-pthread", str(source), "-o", tmp, "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            done, errors = None, errors + [str(e)]
+        if done is not None and done.returncode == 0:
+            os.replace(tmp, target)
+            return target
+        os.unlink(tmp)
+        if done is not None:
+            errors.append(done.stderr.strip()[-500:])
+    logger.warning("could not build %s with %s: %s", source.name, compiler, errors[-1] if errors else "")
+    return None
+
+
+if __name__ == "__main__":  # `make setup` builds every kernel ahead: python -m part15_full.cpu_build
+    logging.basicConfig(format="setup: %(message)s")
+    for source in sorted(CSRC.glob("*.c")):
+        built = build(source)
+        print(f"setup: {source.name} -> {built}" if built else
+              f"setup: {source.name} not built; the torch path serves")

@@ -1,0 +1,153 @@
+"""The decoder's elementwise work on a CPU in fused C kernels: RMSNorm with its residual add, the
+rotary embedding, SiLU x up.
+
+Why. After the GEMMs and attention, part 15's profile on the held-out workload had ~13% of the
+time in small torch ops: RMSNorm alone is seven of them (add, pow, mean, add, rsqrt, mul, mul), the
+rotary embedding a dozen (two gathers of the cos/sin table in every layer, then mul, cat, neg,
+add), SiLU x up three. At decode a step has a few dozen rows, so each op costs its launch and a
+pass over memory, not its arithmetic. vLLM's CPU build runs these as C++ kernels (and its compiled
+graph fuses what is left); torch.compile here did not pay on a CPU (compilation.py). Each kernel
+in csrc/fused_ops_cpu.c is one pass over the rows.
+
+How. The shared model builds these layers through its LayerFactory (`rms_norm`, `rotary_embedding`,
+`silu_and_mul`); `CpuKernelLayers` wraps the part's factory and returns subclasses whose forward
+calls the kernel when the tensors are fp32 on the CPU, and the torch forward otherwise (another
+dtype or device, or while torch.compile traces). The rotary kernel rotates q and k in place, as
+vLLM's op does: they are views into the fused QKV projection's fresh output.
+
+Off-switch: VLLM_COURSE_CPU_FUSED_OPS=0.
+
+In vLLM v0.33.0: vllm/model_executor/layers/layernorm.py (RMSNorm.forward_cpu: ops.rms_norm,
+ops.fused_add_rms_norm), vllm/model_executor/layers/rotary_embedding/base.py (forward_cpu:
+ops.rotary_embedding), vllm/model_executor/layers/activation.py (SiluAndMul: ops.silu_and_mul);
+the kernels in csrc/cpu/layernorm.cpp, csrc/cpu/pos_encoding.cpp and csrc/cpu/activation.cpp."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from shared.config import ModelConfig
+from shared.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from shared.model import LayerFactory, WrappedLayers
+
+from .cpu_build import CSRC, build
+
+SOURCE = CSRC / "fused_ops_cpu.c"
+ENABLED = os.environ.get("VLLM_COURSE_CPU_FUSED_OPS", "1") != "0"
+logger = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=None)
+def load_ops():
+    """The library with its functions' C signatures, or None (off, no compiler, build failed)."""
+    if not ENABLED:
+        return None
+    path = build(SOURCE)
+    if path is None:
+        logger.warning("fused CPU ops: no kernels, using the torch layers")
+        return None
+    return bind(path)
+
+
+def bind(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32]
+    lib.fused_add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32]
+    lib.rotary_embedding.argtypes = [ptr, i64, ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i64]
+    lib.rotary_embedding.restype = i32
+    lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64]
+    for fn in (lib.rms_norm, lib.fused_add_rms_norm, lib.silu_and_mul):
+        fn.restype = None
+    return lib
+
+
+# The checks below are few and cheap on purpose: at decode a layer's norm is a few microseconds of
+# work, and every torch call on the way to the kernel costs about a microsecond of Python.
+def _fp32(x: torch.Tensor) -> bool:
+    """fp32 (on the CPU: these layers are only built for it) and not traced by torch.compile (a
+    ctypes call cannot be traced)."""
+    return x.dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
+class CpuRMSNorm(RMSNorm):
+    def __init__(self, hidden_size: int, eps: float, ops: ctypes.CDLL):
+        super().__init__(hidden_size, eps)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With `residual`, in place: residual += x, x = norm(residual); returns (x, residual)."""
+        if not (_fp32(x) and x.is_contiguous() and (residual is None or residual.is_contiguous())):
+            return super().forward(x, residual)
+        hidden = x.shape[-1]
+        if residual is None:  # the first layer's: x is kept as the residual, so not in place
+            out = torch.empty_like(x)
+            self.ops.rms_norm(x.data_ptr(), out.data_ptr(), self.weight.data_ptr(), x.numel() // hidden, hidden,
+                              self.eps)
+            return out
+        self.ops.fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), self.weight.data_ptr(),
+                                    x.numel() // hidden, hidden, self.eps)
+        return x, residual
+
+
+class CpuRotaryEmbedding(RotaryEmbedding):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None, ops: ctypes.CDLL):
+        super().__init__(head_dim, max_position, theta, scaling)
+        self.ops = ops
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotates q [T, heads, D] and k [T, kv_heads, D] in place and returns them. Each token's
+        heads must lie side by side (views into the QKV output do)."""
+        d = self.head_dim
+        if not (_fp32(q) and k.dtype == torch.float32 and positions.dtype == torch.int64
+                and q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == d
+                and positions.is_contiguous()):
+            return super().forward(positions, q, k)
+        status = self.ops.rotary_embedding(
+            positions.data_ptr(), positions.numel(), q.data_ptr(), q.stride(0), q.shape[1],
+            k.data_ptr(), k.stride(0), k.shape[1], d, self.cos.data_ptr(), self.sin.data_ptr(),
+            self.cos.shape[0])
+        if status != 0:
+            raise IndexError(f"a position is outside the rotary table (0..{self.cos.shape[0] - 1})")
+        return q, k
+
+
+class CpuSiluAndMul(SiluAndMul):
+    def __init__(self, ops: ctypes.CDLL):
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (_fp32(x) and x.is_contiguous()):
+            return super().forward(x)
+        half = x.shape[-1] // 2
+        out = x.new_empty(*x.shape[:-1], half)
+        self.ops.silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], half)
+        return out
+
+
+class CpuKernelLayers(WrappedLayers):
+    """`base`'s layers, with the elementwise ones on the fused kernels. Built over a plain (dense or
+    tensor-parallel) factory; an MoE factory may wrap it. `ops`: the kernels' library (load_ops())."""
+
+    def __init__(self, base: LayerFactory, ops: ctypes.CDLL):
+        super().__init__(base)
+        self.ops = ops
+
+    # The dense MLP recipe with this factory's layers (WrappedLayers.mlp would look for the
+    # recipe in the base, and an MoE wrapper over this one would find this method again).
+    mlp = LayerFactory.mlp
+
+    def rms_norm(self, cfg: ModelConfig) -> RMSNorm:
+        return CpuRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
+
+    def rotary_embedding(self, cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        return CpuRotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, self.ops)
+
+    def silu_and_mul(self) -> SiluAndMul:
+        return CpuSiluAndMul(self.ops)
