@@ -6,7 +6,7 @@ model) and loaded with ctypes by the module that uses it (cpu_attention.py, cpu_
 setup` builds them ahead (`python -m part15_full.cpu_build`). Without a compiler, or if a build
 fails, a warning says so and the torch path serves: the engine's results are the same, to float
 rounding. Nothing is compiled at install time, and a C file changed by a reader is rebuilt at its
-next use (the cache key holds the source)."""
+next use (the cache key holds the source and the headers beside it)."""
 from __future__ import annotations
 
 import hashlib
@@ -44,8 +44,8 @@ def build(source: Path, compiler: str | None = None) -> Path | None:
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler or not source.is_file():
         return None
-    text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, compiler.encode(), platform.machine().encode(),
+    texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # its includes
+    key = hashlib.sha256(b"\0".join([*texts, compiler.encode(), platform.machine().encode(),
                                       _cpu_id().encode()])).hexdigest()[:16]
     target = cache_root() / f"{source.stem}-{key}.so"
     if target.exists():

@@ -238,3 +238,18 @@ def test_an_moe_model_on_the_kernels_keeps_hf_greedy(tmp_path):
             ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                               max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert tokens == ref[0, len(ids):].tolist()
+
+
+def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
+    """The cache key holds the headers beside the source: a reader's edit to vec_math.h rebuilds."""
+    import shutil
+
+    monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path / "cache"))
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_build.CSRC, csrc)
+    first = cpu_build.build(csrc / "fused_ops_cpu.c")
+    assert first is not None and cpu_build.build(csrc / "fused_ops_cpu.c") == first
+    header = csrc / "vec_math.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    second = cpu_build.build(csrc / "fused_ops_cpu.c")
+    assert second is not None and second != first

@@ -7,13 +7,10 @@
    is written once. Rows are split across torch's OpenMP threads only when there are enough of
    them to pay for waking the threads (prefill; SiLU's exp from a few rows up).
    Built by cpu_build.py with the system C compiler; bound by cpu_ops.py. */
+#include "vec_math.h"
+
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
-
-/* No FP traps are used here; without this GCC will not turn exp_approx's clamp into vector
-   min/max, and SiLU's loop stays scalar (clang assumes it already). */
-#pragma GCC optimize("no-trapping-math")
 
 /* Below this many elements a kernel runs on the calling thread: waking the others costs more. */
 #define PARALLEL_MIN 65536
@@ -79,39 +76,6 @@ int rotary_embedding(const int64_t *positions, int64_t T, float *q, int64_t q_st
         rotate(k + t * k_stride, nk, D, c, s);
     }
     return 0;
-}
-
-/* exp for SiLU: Cephes' single-precision polynomial (about 1 ulp) written without calls or
-   branches, so the loop below vectorizes (libm's expf would run one element at a time). */
-static inline float exp_approx(float x) {
-    x = x < -87.f ? -87.f : x > 87.f ? 87.f : x; /* 2^n stays a normal float, 1 + e^x under 2^126 */
-    /* n = round(x / ln2): adding and taking away 1.5 * 2^23 leaves no fraction bits */
-    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, ln2 in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
-
-/* 1/d for d >= 1 without a division (AVX2's vector divide is the slowest step of SiLU): a first
-   guess from the float's bits (within ~4%), then three Newton steps, each squaring the error. */
-static inline float reciprocal(float d) {
-    int32_t bits;
-    memcpy(&bits, &d, sizeof bits);
-    bits = 0x7EF311C3 - bits;
-    float r;
-    memcpy(&r, &bits, sizeof r);
-    r = r * (2.f - d * r);
-    r = r * (2.f - d * r);
-    return r * (2.f - d * r);
 }
 
 /* out [T, I] = silu(gate) * up = gate / (1 + exp(-gate)) * up; each row of x [T, 2I] is gate | up. */

@@ -13,7 +13,9 @@
 
    Softmax is online (one pass over the keys, a block at a time): a running maximum m, a running
    sum l of exp(score - m), and an output accumulator rescaled whenever m grows. fp32 only.
-   Built by cpu_attention.py with the system C compiler. */
+   Built by cpu_build.py with the system C compiler. */
+#include "vec_math.h"
+
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -89,10 +91,9 @@ static void attend_one(const Job *job, int64_t item) {
                 for (int d = 0; d < D; d++) acc[g * D + d] *= c;
                 m[g] = block_max;
             }
-            for (int j = 0; j < n; j++) {
-                s[g * bs + j] = expf(s[g * bs + j] - m[g]);
-                l[g] += s[g * bs + j];
-            }
+            float *p = s + g * bs;
+            for (int j = 0; j < n; j++) p[j] = exp_approx(p[j] - m[g]); /* vectorized (vec_math.h) */
+            for (int j = 0; j < n; j++) l[g] += p[j];
         }
         for (int j = 0; j < n; j++) {
             const float *vj = v + j * row_stride;

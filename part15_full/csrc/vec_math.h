@@ -1,0 +1,48 @@
+/* Math for part 15's C kernels that the compiler can vectorize. Include it first: the pragma below
+   holds for the whole file.
+
+   libm's expf is a call per element, which no loop around it can turn into vector instructions
+   (without -ffast-math, which the kernels do not use). exp_approx is Cephes' single-precision
+   polynomial (about 1 ulp) written without calls or branches, so a loop of it vectorizes. */
+#ifndef VEC_MATH_H
+#define VEC_MATH_H
+#include <stdint.h>
+#include <string.h>
+
+/* No FP traps are used here; without this GCC will not turn exp_approx's clamp into vector
+   min/max, and its loops stay scalar (clang assumes it already). */
+#pragma GCC optimize("no-trapping-math")
+
+/* e^x, for x clamped to [-87, 87]: 2^n stays a normal float, and 1 + e^x stays under 2^126 (see
+   reciprocal). Below -87 it returns ~1.6e-38 instead of a smaller number or 0. */
+static inline float exp_approx(float x) {
+    x = x < -87.f ? -87.f : x > 87.f ? 87.f : x;
+    /* n = round(x / ln2): adding and taking away 1.5 * 2^23 leaves no fraction bits */
+    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, ln2 in two parts */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* 1/d for 1 <= d < 2^126 without a division (AVX2's vector divide is slow): a first guess from
+   the float's bits (within ~4%), then three Newton steps, each squaring the error. */
+static inline float reciprocal(float d) {
+    int32_t bits;
+    memcpy(&bits, &d, sizeof bits);
+    bits = 0x7EF311C3 - bits;
+    float r;
+    memcpy(&r, &bits, sizeof r);
+    r = r * (2.f - d * r);
+    r = r * (2.f - d * r);
+    return r * (2.f - d * r);
+}
+#endif
