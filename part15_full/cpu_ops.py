@@ -17,10 +17,12 @@ vLLM's op does: they are views into the fused QKV projection's fresh output.
 
 Off-switch: VLLM_COURSE_CPU_FUSED_OPS=0.
 
-In vLLM v0.33.0: vllm/model_executor/layers/layernorm.py (RMSNorm.forward_cpu: ops.rms_norm,
-ops.fused_add_rms_norm), vllm/model_executor/layers/rotary_embedding/base.py (forward_cpu:
-ops.rotary_embedding), vllm/model_executor/layers/activation.py (SiluAndMul: ops.silu_and_mul);
-the kernels in csrc/cpu/layernorm.cpp, csrc/cpu/pos_encoding.cpp and csrc/cpu/activation.cpp."""
+In vLLM v0.33.0: the layers are CustomOps (vllm/model_executor/custom_op.py picks a forward per
+platform): RMSNorm in vllm/model_executor/layers/layernorm.py (ops.rms_norm, ops.fused_add_rms_norm,
+in place), RotaryEmbedding in vllm/model_executor/layers/rotary_embedding/base.py
+(ops.rotary_embedding, in place), SiluAndMul in vllm/model_executor/layers/activation.py
+(ops.silu_and_mul); the CPU build's kernels are csrc/cpu/layernorm.cpp, pos_encoding.cpp and
+activation.cpp."""
 from __future__ import annotations
 
 import ctypes

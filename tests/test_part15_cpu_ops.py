@@ -16,6 +16,7 @@ from shared.model import LayerFactory, WrappedLayers
 from shared.weights import load_model
 
 from conftest import save_tiny
+from test_layer_seam import logits, tiny_checkpoint
 
 EPS = 1e-5
 
@@ -137,7 +138,7 @@ def test_what_the_kernels_do_not_take_goes_to_the_torch_layers(ops):
     wide = torch.randn(4, 128, generator=g)
     strided = wide[:, ::2]
     ours32, torch32, _ = norms(64, ops)
-    r1, r2 = torch.randn(4, 64), None
+    r1 = torch.randn(4, 64)
     r2 = r1.clone()
     got, got_res = ours32(strided, r1)
     want, want_res = torch32(strided, r2)
@@ -147,22 +148,6 @@ def test_what_the_kernels_do_not_take_goes_to_the_torch_layers(ops):
     rot, rot_ref = CpuRotaryEmbedding(8, 16, 10000.0, None, ops), RotaryEmbedding(8, 16, 10000.0)
     pos = torch.tensor([1, 2, 3, 4])
     assert all(torch.equal(a, b) for a, b in zip(rot(pos, q, k), rot_ref(pos, q, k)))
-
-
-def tiny_checkpoint(path):
-    from transformers import LlamaConfig
-
-    return save_tiny(path, LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
-                                       tie_word_embeddings=False))
-
-
-def logits(model, ids):
-    from shared.attention import NoCacheAttention
-    from shared.forward_context import set_forward_context
-
-    with torch.no_grad(), set_forward_context(NoCacheAttention(model.config.head_dim ** -0.5)):
-        return model.compute_logits(model(ids, torch.arange(len(ids))))
 
 
 class Renamed(WrappedLayers):
