@@ -3,10 +3,10 @@
 A kernel is a plain C file with no Python in it, compiled with the system's C compiler (`cc`, or
 $CC) into a shared library in ~/.cache/vllm-course ($VLLM_COURSE_CACHE, beside the converted
 model) and loaded with ctypes by the module that uses it (cpu_attention.py, cpu_ops.py). `make
-setup` builds them ahead (`python -m part15_full.cpu_build`). Without a compiler, or if a build
-fails, a warning says so and the torch path serves: the engine's results are the same, to float
-rounding. Nothing is compiled at install time, and a C file changed by a reader is rebuilt at its
-next use (the cache key holds the source and the headers beside it)."""
+setup` builds them ahead (`main()` below). Without a compiler, or if a build fails, a warning says
+so and the torch path serves: the engine's results are the same, to float rounding. Nothing is
+compiled at install time, and a C file changed by a reader is rebuilt at its next use (the cache
+key holds the source and the headers beside it)."""
 from __future__ import annotations
 
 import hashlib
@@ -75,9 +75,15 @@ def build(source: Path, compiler: str | None = None) -> Path | None:
     return None
 
 
-if __name__ == "__main__":  # `make setup` builds every kernel ahead: python -m part15_full.cpu_build
+def main() -> None:
+    """Build every kernel ahead (`make setup` runs this); a kernel that does not build is reported,
+    and the torch path serves it."""
     logging.basicConfig(format="setup: %(message)s")
     for source in sorted(CSRC.glob("*.c")):
         built = build(source)
         print(f"setup: {source.name} -> {built}" if built else
               f"setup: {source.name} not built; the torch path serves")
+
+
+if __name__ == "__main__":
+    main()
