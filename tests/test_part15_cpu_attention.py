@@ -16,12 +16,15 @@ from test_paged_kernels import CASES, Case, make_batch, max_err_vs_dense, run_ba
 
 # Beyond part 03's cases: decode rows hundreds of tokens long (many blocks, the online softmax
 # rescaling across them), speculative-decoding-shaped queries (2-8 new tokens on a context) and a
-# query just over SHORT_QUERY (the SDPA path) in one batch.
+# query just over SHORT_QUERY (the SDPA path) in one batch; head sizes the kernel compiles as
+# constants (64, 128) and ones it does not, with and without a remainder past its 8-float vectors.
 KERNEL_CASES = {
     **{n: c for n, c in CASES.items() if c.dtype == torch.float32},
     "smollm9-3_d64_bs16_long_and_spec": Case(9, 3, 64, 16, ((300, 1), (129, 1), (47, 1), (200, 8),
                                                             (64, 9), (31, 2), (2, 2))),
     "gqa8-2_d128_bs32": Case(8, 2, 128, 32, ((70, 1), (33, 3), (40, 40))),
+    "gqa6-2_d20_bs8": Case(6, 2, 20, 8, ((45, 1), (19, 4), (6, 6))),
+    "mqa3-1_d5_bs4": Case(3, 1, 5, 4, ((23, 1), (7, 2))),
 }
 
 
