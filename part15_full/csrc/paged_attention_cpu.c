@@ -51,6 +51,7 @@ typedef float vec4 __attribute__((vector_size(16)));
 
 static inline vec8 load8(const float *p) { return *(const vec8_unaligned *)p; }
 static inline void store8(float *p, vec8 x) { *(vec8_unaligned *)p = x; }
+static inline vec8 splat8(float x) { return (vec8){x, x, x, x, x, x, x, x}; }
 static inline float sum8(vec8 x) {
     vec4 lo, hi;
     memcpy(&lo, &x, sizeof lo);
@@ -133,11 +134,11 @@ static inline __attribute__((always_inline)) void attend(const Job *job, int64_t
             for (int j = 0; j < n; j++) p[j] = exp_approx(p[j] - m[g]); /* vectorized (vec_math.h) */
             for (int j = 0; j < n; j++) l[g] += p[j];
             vec8 o[CHUNKS];
-            const vec8 shrink = c_old - (vec8){0};
+            const vec8 shrink = splat8(c_old);
             for (int c = 0; c < C; c++) o[c] = load8(a + 8 * c) * shrink;
             for (int j = 0; j < n; j++) {
                 const float *vj = v + j * row_stride;
-                const vec8 pj = p[j] - (vec8){0};
+                const vec8 pj = splat8(p[j]);
                 for (int c = 0; c < C; c++) o[c] += pj * load8(vj + 8 * c);
             }
             for (int c = 0; c < C; c++) store8(a + 8 * c, o[c]);
