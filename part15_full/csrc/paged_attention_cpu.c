@@ -44,9 +44,10 @@ typedef struct {
 } Job;
 
 /* Eight floats as one value: GCC and clang compile arithmetic on it to one vector instruction
-   (AVX) or two (SSE). Loads and stores go through an unaligned type. */
+   (AVX) or two (SSE). Loads and stores go through a type that may sit at any float's address and
+   may alias the floats it reads (may_alias: the pool and q are float arrays). */
 typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec8_unaligned __attribute__((vector_size(32), aligned(4)));
+typedef float vec8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float vec4 __attribute__((vector_size(16)));
 
 static inline vec8 load8(const float *p) { return *(const vec8_unaligned *)p; }
