@@ -8,7 +8,7 @@ the time, next to the GEMMs. vLLM's CPU build has C++ kernels for this; torch ha
 a block table, and Inductor's code for the same maths, written in torch, was slower than the
 gather (measured while choosing).
 
-How. `csrc/paged_attention_cpu.c` (read it: ~160 lines) walks each row's block table and reads each
+How. `csrc/paged_attention_cpu.c` (read it: ~230 lines) walks each row's block table and reads each
 key and value once, with an online softmax; threads split the rows by the keys they read. It takes
 query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's verification
 rows), each with its own causal length; longer queries (prefill) stay on the gather + SDPA path,
