@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -394,3 +395,22 @@ def test_interleaved_rounds_alternate_systems_and_keep_only_the_costly_one_loade
     assert a.calls == ["load", "warmup", "generate", "close", "load", "warmup", "generate", "close"]
     assert b.calls == ["load", "warmup", "generate", "reset", "generate", "close"]
     assert [r.wall_s for r in res] == [0.01, 0.01]
+
+
+@pytest.mark.parametrize("attr", ["page_size", "block_size"])
+def test_hf_generate_batch_sizes_its_pool_with_either_transformers_spelling(monkeypatch, attr):
+    """transformers 5.17 (the GPU image's) names the KV page `block_size`, later ones `page_size`:
+    hf-generate-batch must size its pool from whichever the installed version has."""
+    import transformers
+
+    from shared.bench.hf_baselines import HFGenerateBatch
+
+    class FakeConfig:
+        def __init__(self, **kw):
+            self.kw = kw
+            setattr(self, attr, 32)
+
+    monkeypatch.setattr(transformers, "ContinuousBatchingConfig", FakeConfig)
+    system = HFGenerateBatch("unused", torch.device("cpu"), torch.float32)
+    system.prepare([BenchRequest(prompt_token_ids=[1] * 40, output_len=30)])  # 70 tokens: 3 pages
+    assert system.notes["page_size"] == 32 and system.cb_config.kw["num_blocks"] == 3 + 1

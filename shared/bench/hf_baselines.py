@@ -135,7 +135,9 @@ class HFGenerateBatch(BenchSystem):
     def prepare(self, requests: list[BenchRequest]) -> None:
         from transformers import ContinuousBatchingConfig
 
-        page = ContinuousBatchingConfig().page_size
+        defaults = ContinuousBatchingConfig()
+        # Tokens per KV page: `page_size` in recent transformers, `block_size` before (5.17).
+        page = getattr(defaults, "page_size", None) or defaults.block_size
         # Room for every request's whole sequence at once: HF never has to evict, like an
         # engine whose KV pool is big enough for the workload.
         blocks = sum(math.ceil((r.prompt_len + r.output_len) / page) for r in requests) + 1
