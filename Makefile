@@ -4,6 +4,9 @@
 PYTHON ?= python3
 LATEST ?= part15_full
 ARGS ?=
+# Test worker processes (pytest-xdist), each taking whole test files: most tests are one core's
+# Python, so two workers keep a 2-core machine busy. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup serve test notebooks
 setup: .setup.stamp
@@ -15,7 +18,7 @@ serve: setup
 	$(PYTHON) -m $(LATEST).server $(ARGS)
 
 test: setup
-	$(PYTHON) -m pytest -q $(ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 notebooks: setup
 	$(PYTHON) -m shared.course notebooks $(ARGS)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.attention import sdpa
+from shared.device import kv_cache_zeros
 from shared.forward_context import AttentionBackend
 
 from .attention_metadata import PagedAttentionMetadata
@@ -114,9 +115,10 @@ class PagedAttention(AttentionBackend):
         device = torch.device(device)
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padded reads of never-written slots then meet finite numbers
-        # (NaN garbage times a zero attention weight would still be NaN).
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # (NaN garbage times a zero attention weight would still be NaN). On the CPU the zeros are
+        # the OS's untouched pages: a block takes RAM only once written (kv_cache_zeros).
+        self.k_cache = kv_cache_zeros(shape, dtype, device)
+        self.v_cache = kv_cache_zeros(shape, dtype, device)
         self.block_size = block_size
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.use_triton = device.type == "cuda" if use_triton is None else use_triton

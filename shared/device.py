@@ -1,5 +1,9 @@
-"""Pick the device and dtype: cuda + bf16 when a GPU is there, else cpu + fp32; flags override."""
+"""Pick the device and dtype: cuda + bf16 when a GPU is there, else cpu + fp32; flags override.
+And allocate a KV cache pool."""
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -22,3 +26,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache pool. On the CPU it lives in anonymous memory, which the OS hands out
+    as zero pages and makes resident only when first written: a pool sized for the worst case then
+    holds in RAM only the blocks requests have used (torch.zeros would write, and keep, every page
+    up front). On a GPU, plain torch.zeros."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor holds the mmap (buffer protocol) and unmaps it when it is freed.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

@@ -48,6 +48,16 @@ ORACLE = {"device": "cpu", "dtype": "float32"}
 PAGED_KV_MB = 128  # KV pool of the parts that have one (part 03 on): 182 blocks, 2900 tokens
 PARTS = [s.name for s in stages()]
 
+# `make test` hands whole files to two pytest-xdist workers in collection order
+# (--no-loadscope-reorder). The two longest files go first, so neither is left running alone at
+# the end; the rest keep their order.
+LONGEST_FIRST = ("test_notebooks.py", "test_servers.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 def part_number(part: str) -> int:
     return int(part[4:6])  # part03_paged_attention -> 3
@@ -163,8 +173,9 @@ def hf_greedy(hf_model):
 
 
 # Engines kept alive at once by `llm_for` (about 0.65 GB each: weights and pool). Tests run part by
-# part, so two cover the switch from one part's tests to the next; rebuilding one costs ~2 s.
-MAX_CACHED_LLMS = int(os.environ.get("COURSE_TEST_MAX_LLMS", "2"))
+# part, so two cover the switch from one part's tests to the next; rebuilding one costs ~2 s. Under
+# `make test` two pytest-xdist workers each keep their own, so one each.
+MAX_CACHED_LLMS = int(os.environ.get("COURSE_TEST_MAX_LLMS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"))
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,10 @@ The convention (notebooks/NN_<name>.ipynb, one per part):
   not decoration); only the sizes of what is measured change: fewer requests, shorter outputs,
   fewer repeats, fewer points on a curve. Prose that quotes numbers refers to the full run.
 * The tests run each notebook in quick mode (COURSE_QUICK=1 in the kernel's environment) in a
-  fresh `python3` kernel whose working directory is the repository root, and never write it. Two
-  run side by side (COURSE_NOTEBOOK_WORKERS): a quick run is mostly one core's start-up and Python,
-  so the fifteen take about 40% less wall time; a notebook asserts no timing, so sharing is safe.
+  fresh `python3` kernel whose working directory is the repository root, and never write it. Run
+  alone, two go side by side (COURSE_NOTEBOOK_WORKERS): a quick run is mostly one core's start-up
+  and Python, so the fifteen take about 40% less wall time; a notebook asserts no timing, so
+  sharing is safe. Under `make test` (two pytest-xdist workers) one at a time.
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ from shared import course  # noqa: E402
 NOTEBOOKS = course.notebook_paths()
 CELL_TIMEOUT_S = 300
 IDS = [p.stem for p in NOTEBOOKS]
-WORKERS = int(os.environ.get("COURSE_NOTEBOOK_WORKERS", "2"))
+# Under pytest-xdist (`make test`) another worker already shares the cores, and one notebook kernel
+# at a time keeps the suite's memory in bounds.
+WORKERS = int(os.environ.get("COURSE_NOTEBOOK_WORKERS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"))
 
 
 def test_there_are_notebooks():

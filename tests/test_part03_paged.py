@@ -3,7 +3,10 @@ block pool is whole again after every run. (The prompt set as one static batch o
 test_parity.py, for every part.)"""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from conftest import NEW_TOKENS, build_llm, pool_is_full
 from shared.errors import InvalidRequestError
@@ -82,3 +85,25 @@ def test_request_larger_than_pool_is_refused():
     small.engine.make_request("hi", SamplingParams(max_tokens=200))  # fits: accepted
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
         build_llm("part03_paged_attention", kv_cache_memory_mb=1)  # below two blocks: refused at start-up
+
+
+@pytest.mark.parametrize("part", ["part03_paged_attention", "part15_full"])
+def test_kv_pool_is_zeros_and_takes_ram_only_once_written(part):
+    """On the CPU the pool is the OS's untouched zero pages (shared.device.kv_cache_zeros): a 512 MiB
+    pool adds next to nothing to resident memory until blocks are written, reads as zeros, and is
+    written in place. (torch.zeros would write every page up front: +512 MiB.)"""
+    import importlib
+
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    paged_attention = importlib.import_module(f"{part}.paged_attention")
+    before = rss_mib()
+    pool = paged_attention.PagedAttention(num_layers=4, num_blocks=1024, block_size=16, num_kv_heads=4,
+                                          head_dim=256, dtype=torch.float32, device="cpu")
+    assert pool.nbytes == 2 * 4 * 1024 * 16 * 4 * 256 * 4  # 512 MiB reserved
+    assert rss_mib() - before < 64
+    pool.k_cache[:, 7] = 1.0  # one block in every layer: 256 KiB
+    assert rss_mib() - before < 64
+    assert pool.k_cache.sum().item() == 4 * 16 * 4 * 256 and pool.v_cache.abs().sum().item() == 0
