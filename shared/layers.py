@@ -66,16 +66,21 @@ class LinearMethodBase(QuantizeMethodBase):
 # F.linear re-lays-out the weight for the GEMM kernel on every call; at decode, a few rows against
 # a large weight, that costs as much as the multiply. Measured on a 2-core AVX2 EPYC (SmolLM2-135M's
 # shapes): the 30 layers' projections 1.8-2.1x faster at 2-8 rows, 1.24x at 32, even from 64 on
-# (0.85x at one row); the 49152-wide LM head 1.8-4.4x. Every row count takes the packed path: its
-# result for a row does not depend on how many rows come with it, where F.linear's single-row
-# kernel rounds differently from its batched one, so the same request would sample differently
-# alone and in a batch.
+# (0.85x at one row); the 49152-wide LM head 1.8-4.4x. In bf16 on a 2-core AVX512-BF16 EPYC: the
+# projections 1.4-2.0x at 1-8 rows, 0.9-1.2x from 32 on, the LM head 1.2-1.9x. Every row count
+# takes the packed path: its result for a row does not depend on how many rows come with it, where
+# F.linear's single-row kernel rounds differently from its batched one, so the same request would
+# sample differently alone and in a batch.
 CPU_PREPACK = os.environ.get("VLLM_COURSE_CPU_PREPACK", "1") != "0"
 
 
 def cpu_prepack_supported(weight: torch.Tensor) -> bool:
-    # fp32 only: the packed path is measured and tested on fp32; bf16 needs a CPU with native bf16.
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """fp32; bf16 only where the CPU multiplies bf16 natively (AVX512-BF16, AMX): elsewhere oneDNN
+    emulates it and the packed path has not been measured to pay."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class UnquantizedLinearMethod(LinearMethodBase):

@@ -17,7 +17,7 @@ from conftest import save_tiny
 from layer_fakes import TransposedConfig
 from shared.layers import Linear, MergedLinear, QKVLinear, set_weight_attrs
 from shared.model import LayerFactory, WrappedLayers
-from shared.weights import load_config, load_model
+from shared.weights import default_dtype, load_config, load_model
 
 CPU = torch.device("cpu")
 
@@ -156,29 +156,39 @@ def test_merged_slices_follow_a_packed_output_dim():
         gate_up.weight_loader(gate_up.weight, torch.zeros(11, 8), 1)
 
 
-def test_cpu_linears_run_on_prepacked_weights_batch_invariant(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_linears_run_on_prepacked_weights_batch_invariant(tmp_path, monkeypatch, dtype):
     """On a CPU every dense linear gets a oneDNN-prepacked copy of its weight after loading and
-    computes with it: within fp32 rounding of F.linear on the dense weight, and a row's result is
+    computes with it: within rounding of F.linear on the dense weight, and a row's result is
     bit-for-bit the same alone or with any number of other rows (on the course machine F.linear's
     single-row kernel rounds differently from its batched one; not asserted, as it varies with the
-    CPU). Off-switch: VLLM_COURSE_CPU_PREPACK=0 leaves F.linear."""
+    CPU). bf16 is packed only on a CPU with native bf16. Off-switch: VLLM_COURSE_CPU_PREPACK=0
+    leaves F.linear."""
     import shared.layers as layers
 
-    if not layers.cpu_prepack_supported(torch.zeros(1)):
+    if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN (mkldnn) build")
-    model = load_model(tiny_checkpoint(tmp_path / "ckpt"), CPU, torch.float32)
+    native = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert layers.cpu_prepack_supported(torch.zeros(1, dtype=dtype)) == native
+    if not native:
+        pytest.skip("this CPU has no native bf16: bf16 weights stay unpacked (asserted above)")
+    model = load_model(tiny_checkpoint(tmp_path / "ckpt"), CPU, dtype)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_weight is not None for m in linears)
+    assert linears and all(m.packed_weight is not None and m.weight.dtype == dtype for m in linears)
+    with default_dtype(dtype):
+        layer = Linear(576, 960)
 
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(960, 576, generator=gen)
-    x = torch.randn(300, 576, generator=gen)
-    layer = Linear(576, 960)
+    w = torch.randn(960, 576, generator=gen).to(dtype)
+    x = torch.randn(300, 576, generator=gen).to(dtype)
     layer.weight.data.copy_(w)
     layer.quant_method.process_weights_after_loading(layer)
     with torch.no_grad():
         full = layer(x)
-        torch.testing.assert_close(full, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+        assert full.dtype == dtype
+        # fp32: rounding of 576-term sums; bf16: the output's own rounding (8 bits, |y| up to ~100)
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.5)
+        torch.testing.assert_close(full.float(), torch.nn.functional.linear(x.float(), w.float()), **tol)
         for rows in (1, 2, 7, 64, 300):
             assert torch.equal(layer(x[:rows]), full[:rows]), rows
             assert torch.equal(layer(x[rows - 1:rows]), full[rows - 1:rows]), rows
