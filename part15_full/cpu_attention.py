@@ -62,7 +62,7 @@ def bind(path: Path):
     fn = ctypes.CDLL(str(path)).paged_attention_rows
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32,
-                   ctypes.c_float, ptr, i64, i32]
+                   ctypes.c_float, ptr, i64, i32, i32]
     fn.restype = i32
     return fn
 
@@ -110,10 +110,10 @@ class CpuPagedAttention:
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """fp32 on the CPU, within the kernel's fixed buffers (up to 16 query heads per KV head,
-        head size and block size up to 256)."""
+        """fp32 or bf16 (q and the pool alike) on the CPU, within the kernel's fixed buffers (up to
+        16 query heads per KV head, head size and block size up to 256)."""
         heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
-        return (q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu"
+        return (q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu"
                 and heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256
                 and k_cache.shape[1] <= 256)
 
@@ -138,7 +138,8 @@ class CpuPagedAttention:
                                      plan.tables.data_ptr(), plan.tables.stride(0), plan.row_idx.data_ptr(),
                                      plan.row_seq.data_ptr(), plan.row_len.data_ptr(), plan.row_idx.numel(),
                                      q.shape[1], k_cache.shape[2], q.shape[2], block_size, scale,
-                                     out.data_ptr(), out.stride(0), torch.get_num_threads())
+                                     out.data_ptr(), out.stride(0), torch.get_num_threads(),
+                                     q.dtype == torch.bfloat16)
             assert status == 0, "shapes outside the kernel's buffers (supports() should have said)"
         for start, q_len, seq_len, tables in plan.long:  # prefill: gather its context, then SDPA
             keys, values = _gather(k_cache, tables, seq_len), _gather(v_cache, tables, seq_len)

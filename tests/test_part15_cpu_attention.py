@@ -2,6 +2,7 @@
 attention in float64 and the torch reference; its build, cache, fallback and off-switch."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 
@@ -12,20 +13,46 @@ import part15_full.cpu_attention as cpu_attention
 import part15_full.cpu_build as cpu_build
 from part15_full.paged_attention import PagedAttention, paged_attention_ref, reshape_and_cache_ref
 
-from test_paged_kernels import CASES, Case, make_batch, max_err_vs_dense, run_backend_steps
+from test_paged_kernels import ATOL, CASES, Case, dense_attention, make_batch, max_err_vs_dense, run_backend_steps
 
 # Beyond part 03's cases: decode rows hundreds of tokens long (many blocks, the online softmax
 # rescaling across them), speculative-decoding-shaped queries (2-8 new tokens on a context) and a
 # query just over SHORT_QUERY (the SDPA path) in one batch; head sizes the kernel compiles as
-# constants (64, 128) and ones it does not, with and without a remainder past its 8-float vectors.
-KERNEL_CASES = {
-    **{n: c for n, c in CASES.items() if c.dtype == torch.float32},
+# constants (64, 128) and ones it does not, with and without a remainder past its 8-float vectors;
+# each of those in bf16 too (a bf16 pool, widened as the kernel loads it).
+SHAPES = {
     "smollm9-3_d64_bs16_long_and_spec": Case(9, 3, 64, 16, ((300, 1), (129, 1), (47, 1), (200, 8),
                                                             (64, 9), (31, 2), (2, 2))),
     "gqa8-2_d128_bs32": Case(8, 2, 128, 32, ((70, 1), (33, 3), (40, 40))),
     "gqa6-2_d20_bs8": Case(6, 2, 20, 8, ((45, 1), (19, 4), (6, 6))),
     "mqa3-1_d5_bs4": Case(3, 1, 5, 4, ((23, 1), (7, 2))),
 }
+KERNEL_CASES = {
+    **{n: c for n, c in CASES.items() if c.dtype == torch.float32},
+    **SHAPES,
+    **{f"bf16_{n}": dataclasses.replace(c, dtype=torch.bfloat16) for n, c in SHAPES.items()},
+}
+
+
+def assert_matches_dense(out, batch, case):
+    """fp32: within 1e-4 of float64 attention. bf16: the kernel sums in fp32 and rounds once, where
+    it stores, so each of its outputs is within one bf16 rounding (half a step: at most 2^-8 of its
+    size) of float64 attention over the same bf16 inputs, plus fp32's sums; queries longer than
+    SHORT_QUERY go through torch's bf16 SDPA, which rounds at every op (part 03's bf16 bound)."""
+    if case.dtype == torch.float32:
+        assert max_err_vs_dense(out, batch, case) < 1e-4
+        return
+    assert out.dtype == torch.bfloat16
+    start = 0
+    for i, (seq_len, q_len) in enumerate(case.seqs):
+        want = dense_attention(batch["q"][start:start + q_len], batch["dense_k"][i], batch["dense_v"][i],
+                               batch["scale"])
+        got = out[start:start + q_len].double()
+        if q_len <= cpu_attention.SHORT_QUERY:
+            torch.testing.assert_close(got, want, rtol=2 ** -8, atol=1e-5)
+        else:
+            assert (got - want).abs().max() < ATOL[torch.bfloat16]
+        start += q_len
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +69,11 @@ def test_the_kernel_matches_dense_attention_and_the_reference(kernel, name, padd
     batch = make_batch(case, seed=1)
     n = batch["num_tokens"]
     q, k, v, metadata = batch["q"], batch["k"], batch["v"], batch["metadata"]
+    if q.is_contiguous():  # make_batch's cast to bf16 copied them: views of fused rows again
+        fused = torch.cat([x.flatten(1) for x in (q, k, v)], 1)
+        q, k, v = (t.view(-1, x.shape[1], x.shape[2]) for t, x in
+                   zip(fused.split([x.shape[1] * x.shape[2] for x in (q, k, v)], 1), (q, k, v)))
+        batch["q"] = q  # what assert_matches_dense reads
     if not padding:  # no slot -1: the plain row copy stores the new K/V
         q, k, v = q[:n], k[:n], v[:n]
         metadata.slot_mapping = metadata.slot_mapping[:n]
@@ -52,8 +84,11 @@ def test_the_kernel_matches_dense_attention_and_the_reference(kernel, name, padd
     assert q.stride(0) > q.shape[1] * q.shape[2]  # a view of the fused QKV rows, as the model gives
     out = kernel.forward(q, k, v, batch["k_cache"], batch["v_cache"], metadata, batch["scale"])[:n]
     assert torch.equal(batch["k_cache"], ref_k) and torch.equal(batch["v_cache"], ref_v)
-    assert max_err_vs_dense(out, batch, case) < 1e-4
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    assert_matches_dense(out, batch, case)
+    if case.dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    else:  # the torch reference rounds to bf16 at every op: about a bf16 step apart
+        torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
 def test_the_backend_uses_the_kernel_on_cpu_through_engine_like_steps():

@@ -129,12 +129,14 @@ def test_silu_and_mul_matches_float64_over_the_whole_range(ops, rows, inter):
 
 
 def test_what_the_kernels_do_not_take_goes_to_the_torch_layers(ops):
-    """bf16, or rows that are not contiguous: the shared layer's own forward, same results."""
+    """fp16, a weight of another dtype, or rows that are not contiguous: the shared layer's own
+    forward, same results."""
     ours, torch_layer, g = norms(64, ops)
-    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
-    ours.weight.data = ours.weight.data.to(torch.bfloat16)
-    torch_layer.weight.data = torch_layer.weight.data.to(torch.bfloat16)
+    x = torch.randn(4, 64, generator=g).to(torch.float16)
+    ours.weight.data = ours.weight.data.to(torch.float16)
+    torch_layer.weight.data = torch_layer.weight.data.to(torch.float16)
     assert torch.equal(ours(x), torch_layer(x))
+    assert torch.equal(ours(x.float()), torch_layer(x.float()))  # fp32 rows, an fp16 weight
     wide = torch.randn(4, 128, generator=g)
     strided = wide[:, ::2]
     ours32, torch32, _ = norms(64, ops)
@@ -148,6 +150,80 @@ def test_what_the_kernels_do_not_take_goes_to_the_torch_layers(ops):
     rot, rot_ref = CpuRotaryEmbedding(8, 16, 10000.0, None, ops), RotaryEmbedding(8, 16, 10000.0)
     pos = torch.tensor([1, 2, 3, 4])
     assert all(torch.equal(a, b) for a, b in zip(rot(pos, q, k), rot_ref(pos, q, k)))
+
+
+# bf16: the kernels widen each element to fp32, compute, and round once where they store, so an
+# output is within half a bf16 step (at most 2^-8 of its size) of the float64 maths on the same
+# bf16 inputs. The torch layers round after every op: about a step from the kernels.
+BF16_STEP = dict(rtol=2 ** -8, atol=1e-6)
+
+
+def bf16(*shape, generator, scale=1.0):
+    return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (33, 576), (300, 576), (5, 37)])
+def test_bf16_norms_round_once_and_the_residual_is_torchs_sum(ops, rows, hidden):
+    g = torch.Generator().manual_seed(4)
+    ours, torch_layer = CpuRMSNorm(hidden, EPS, ops), RMSNorm(hidden, EPS)
+    w = bf16(hidden, generator=g)
+    ours.weight.data, torch_layer.weight.data = w.clone(), w.clone()
+    x, residual = bf16(rows, hidden, generator=g, scale=3), bf16(rows, hidden, generator=g)
+    got = ours(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), rms_ref(x, w), **BF16_STEP)
+    torch.testing.assert_close(got, torch_layer(x), rtol=2 ** -6, atol=1e-2)
+
+    xs, rs = x.clone(), residual.clone()
+    got_out, got_res = ours(xs, rs)
+    assert got_out is xs and got_res is rs
+    assert torch.equal(got_res, x + residual)  # torch's bf16 add: the exact sum, rounded once
+    torch.testing.assert_close(got_out.double(), rms_ref(got_res, w), **BF16_STEP)
+    want_out, _ = torch_layer(x, residual)
+    torch.testing.assert_close(got_out, want_out, rtol=2 ** -6, atol=1e-2)
+
+
+def test_bf16_rounding_is_to_nearest_even_and_keeps_inf_and_nan(ops):
+    """The residual add's sums, chosen to fall exactly between two bf16 numbers (ties go to the
+    even one), just past a tie, past the largest bf16 (inf), and NaN: torch's own rounding."""
+    ours = CpuRMSNorm(8, EPS, ops)
+    ours.weight.data = torch.ones(8, dtype=torch.bfloat16)
+    residual = torch.tensor([[1.0, 1.0, 1.0 + 2 ** -7, 1.0, 3e38, -3e38, float("nan"), float("inf")]])
+    x = torch.tensor([[2 ** -8, 3 * 2 ** -8, 2 ** -8, 2 ** -8 + 2 ** -12, 3e38, -3e38, 1.0, 1.0]])
+    want = residual.to(torch.bfloat16) + x.to(torch.bfloat16)
+    _, got = ours(x.to(torch.bfloat16), residual.to(torch.bfloat16))
+    assert torch.equal(got.float().isnan(), want.float().isnan())
+    ok = ~want.float().isnan()
+    assert torch.equal(got.float()[ok], want.float()[ok]), (got, want)
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (33, 9, 3, 64), (200, 8, 2, 128)])
+def test_bf16_rotary_rotates_in_place_within_one_rounding(ops, tokens, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(5)
+    ours = CpuRotaryEmbedding(head_dim, 4096, 10000.0, None, ops)
+    qkv = bf16(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    want_q, want_k = rotary_ref(positions, q, ours), rotary_ref(positions, k, ours)
+    want_torch = RotaryEmbedding(head_dim, 4096, 10000.0)(positions, q.clone(), k.clone())
+    got_q, got_k = ours(positions, q, k)
+    assert got_q.data_ptr() == qkv.data_ptr() and got_q.dtype == torch.bfloat16
+    torch.testing.assert_close(got_q.double(), want_q, rtol=2 ** -8, atol=1e-5)
+    torch.testing.assert_close(got_k.double(), want_k, rtol=2 ** -8, atol=1e-5)
+    for got, want in zip((got_q, got_k), want_torch):  # torch's: cos/sin in bf16, three roundings
+        torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (33, 1536), (3, 37)])
+def test_bf16_silu_and_mul_within_one_rounding(ops, rows, inter):
+    g = torch.Generator().manual_seed(6)
+    x = bf16(rows, 2 * inter, generator=g, scale=6)
+    gate, up = x.double().chunk(2, -1)
+    got = CpuSiluAndMul(ops)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    torch.testing.assert_close(got.double(), torch.nn.functional.silu(gate) * up, rtol=2 ** -8, atol=1e-30)
+    torch.testing.assert_close(got, SiluAndMul()(x), rtol=2 ** -6, atol=1e-2)
 
 
 class Renamed(WrappedLayers):

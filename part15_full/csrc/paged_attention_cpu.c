@@ -12,15 +12,18 @@
    belongs to sequence row_seq[r] and sees that sequence's first row_len[r] keys (causal).
 
    Softmax is online (one pass over the keys, a block at a time): a running maximum m, a running
-   sum l of exp(score - m), and an output accumulator rescaled whenever m grows. fp32 only.
+   sum l of exp(score - m), and an output accumulator rescaled whenever m grows. q, the pool and out
+   are all fp32 or all bf16 (`bf16`); the sums are fp32 either way, and a bf16 K/V row is widened as
+   it is loaded (a shift: vec_math.h), so a bf16 pool is half the bytes to read.
    Built by cpu_build.py with the system C compiler.
 
    Speed. Reading from memory is the floor, and the loops must not be slower than it. Each block's
    values are summed into accumulators held in vector registers across all its keys (a first
    version added each key into the accumulator in memory: a load and a store per 8 floats per key,
    which made the kernel 1.6-2.2x slower than this one); the head size is a compile-time constant
-   for 64 and 128, so those loops unroll; and the next block's rows are prefetched while this one
-   is computed, since the block table sends each block somewhere else in the pool. */
+   for 64 and 128, so those loops unroll (the element type is a constant too); and the next block's
+   rows are prefetched while this one is computed, since the block table sends each block somewhere
+   else in the pool. */
 #include "vec_math.h"
 
 #include <math.h>
@@ -34,11 +37,11 @@
 #define MAX_THREADS 64
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
-    float *out;
+    const void *q, *k_cache, *v_cache; /* fp32 or bf16 elements, as `bf16` says */
+    void *out;
     const int32_t *block_tables, *row_idx, *row_seq, *row_len;
     int64_t q_row_stride, out_row_stride, table_stride;
-    int num_kv_heads, group, head_dim, block_size;
+    int num_kv_heads, group, head_dim, block_size, bf16;
     float scale;
     int64_t begin, end; /* this thread's work items: item = row * num_kv_heads + kv_head */
 } Job;
@@ -49,9 +52,20 @@ typedef struct {
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float vec4 __attribute__((vector_size(16)));
+typedef uint16_t bf16x8_unaligned __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 static inline vec8 load8(const float *p) { return *(const vec8_unaligned *)p; }
 static inline void store8(float *p, vec8 x) { *(vec8_unaligned *)p = x; }
+/* Eight elements from element i of an fp32 or bf16 array, as floats (bf16: each widened by a
+   shift into the top half of its float, vec_math.h's bf16_to_f32 eight at a time). */
+static inline vec8 load8_at(const void *base, int64_t i, const int bf16) {
+    if (!bf16) return load8((const float *)base + i);
+    const u32x8 bits = __builtin_convertvector(*(const bf16x8_unaligned *)((const uint16_t *)base + i), u32x8) << 16;
+    vec8 x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
 static inline vec8 splat8(float x) { return (vec8){x, x, x, x, x, x, x, x}; }
 static inline float sum8(vec8 x) {
     vec4 lo, hi;
@@ -63,50 +77,58 @@ static inline float sum8(vec8 x) {
 
 #define CHUNKS (MAX_HEAD_DIM / 8)
 
-/* One (query row, KV head). Inlined with D a constant for the common head sizes, so the loops over
-   D unroll and the output accumulators stay in registers while the keys stream by. */
-static inline __attribute__((always_inline)) void attend(const Job *job, int64_t item, const int D) {
+/* One (query row, KV head). Inlined with D and the element type constants for the common head
+   sizes, so the loops over D unroll and the output accumulators stay in registers while the keys
+   stream by. K/V are addressed by element: k_at and v_at are where this block's rows begin. */
+static inline __attribute__((always_inline)) void attend(const Job *job, int64_t item, const int D,
+                                                         const int bf16) {
     const int KV = job->num_kv_heads, G = job->group, bs = job->block_size, C = D / 8;
     const int r = (int)(item / KV), h = (int)(item % KV);
     const int len = job->row_len[r];
     const int32_t *table = job->block_tables + (int64_t)job->row_seq[r] * job->table_stride;
-    const float *q = job->q + (int64_t)job->row_idx[r] * job->q_row_stride + (int64_t)h * G * D;
-    float *out = job->out + (int64_t)job->row_idx[r] * job->out_row_stride + (int64_t)h * G * D;
+    const int64_t q_at = (int64_t)job->row_idx[r] * job->q_row_stride + (int64_t)h * G * D;
+    const int64_t out_at = (int64_t)job->row_idx[r] * job->out_row_stride + (int64_t)h * G * D;
     const int64_t row_stride = (int64_t)KV * D; /* from one token's K (or V) row to the next */
+    const int elem = bf16 ? 2 : 4, line = 64 / elem; /* bytes per element, elements per cache line */
     float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * MAX_BLOCK], acc[MAX_GROUP * MAX_HEAD_DIM];
+    float q[MAX_GROUP * MAX_HEAD_DIM]; /* this KV head's query heads, in fp32 */
 
+    for (int i = 0; i < G * D; i++) q[i] = load_elem(job->q, q_at + i, bf16);
     for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }
     memset(acc, 0, sizeof(float) * G * D);
     for (int t0 = 0; t0 < len; t0 += bs) {
         const int n = len - t0 < bs ? len - t0 : bs;
         const int64_t first = (int64_t)table[t0 / bs] * bs;
-        const float *k = job->k_cache + first * row_stride + (int64_t)h * D;
-        const float *v = job->v_cache + first * row_stride + (int64_t)h * D;
+        const int64_t k_at = first * row_stride + (int64_t)h * D, v_at = k_at;
         if (t0 + bs < len) { /* the next block lies elsewhere: ask for its rows now */
             const int64_t next = (int64_t)table[t0 / bs + 1] * bs * row_stride + (int64_t)h * D;
             for (int j = 0; j < bs; j++)
-                for (int d = 0; d < D; d += 16) {
-                    __builtin_prefetch(job->k_cache + next + j * row_stride + d);
-                    __builtin_prefetch(job->v_cache + next + j * row_stride + d);
+                for (int d = 0; d < D; d += line) {
+                    __builtin_prefetch((const char *)job->k_cache + (next + j * row_stride + d) * elem);
+                    __builtin_prefetch((const char *)job->v_cache + (next + j * row_stride + d) * elem);
                 }
         }
         for (int g = 0; g < G; g++) { /* scores: four keys at a time, four sums in flight */
             const float *qg = q + g * D;
             int j = 0;
             for (; j + 4 <= n; j += 4) {
-                const float *k0 = k + j * row_stride, *k1 = k0 + row_stride, *k2 = k1 + row_stride,
-                            *k3 = k2 + row_stride;
+                const int64_t k0 = k_at + j * row_stride, k1 = k0 + row_stride, k2 = k1 + row_stride,
+                              k3 = k2 + row_stride;
+                const void *K = job->k_cache;
                 vec8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                 for (int c = 0; c < C; c++) {
                     const vec8 qc = load8(qg + 8 * c);
-                    a0 += qc * load8(k0 + 8 * c);
-                    a1 += qc * load8(k1 + 8 * c);
-                    a2 += qc * load8(k2 + 8 * c);
-                    a3 += qc * load8(k3 + 8 * c);
+                    a0 += qc * load8_at(K, k0 + 8 * c, bf16);
+                    a1 += qc * load8_at(K, k1 + 8 * c, bf16);
+                    a2 += qc * load8_at(K, k2 + 8 * c, bf16);
+                    a3 += qc * load8_at(K, k3 + 8 * c, bf16);
                 }
                 float d0 = sum8(a0), d1 = sum8(a1), d2 = sum8(a2), d3 = sum8(a3);
                 for (int d = 8 * C; d < D; d++) {
-                    d0 += qg[d] * k0[d]; d1 += qg[d] * k1[d]; d2 += qg[d] * k2[d]; d3 += qg[d] * k3[d];
+                    d0 += qg[d] * load_elem(K, k0 + d, bf16);
+                    d1 += qg[d] * load_elem(K, k1 + d, bf16);
+                    d2 += qg[d] * load_elem(K, k2 + d, bf16);
+                    d3 += qg[d] * load_elem(K, k3 + d, bf16);
                 }
                 s[g * bs + j] = d0 * job->scale;
                 s[g * bs + j + 1] = d1 * job->scale;
@@ -114,11 +136,11 @@ static inline __attribute__((always_inline)) void attend(const Job *job, int64_t
                 s[g * bs + j + 3] = d3 * job->scale;
             }
             for (; j < n; j++) {
-                const float *kj = k + j * row_stride;
+                const int64_t kj = k_at + j * row_stride;
                 vec8 a = {0};
-                for (int c = 0; c < C; c++) a += load8(qg + 8 * c) * load8(kj + 8 * c);
+                for (int c = 0; c < C; c++) a += load8(qg + 8 * c) * load8_at(job->k_cache, kj + 8 * c, bf16);
                 float dot = sum8(a);
-                for (int d = 8 * C; d < D; d++) dot += qg[d] * kj[d];
+                for (int d = 8 * C; d < D; d++) dot += qg[d] * load_elem(job->k_cache, kj + d, bf16);
                 s[g * bs + j] = dot * job->scale;
             }
         }
@@ -138,28 +160,32 @@ static inline __attribute__((always_inline)) void attend(const Job *job, int64_t
             const vec8 shrink = splat8(c_old);
             for (int c = 0; c < C; c++) o[c] = load8(a + 8 * c) * shrink;
             for (int j = 0; j < n; j++) {
-                const float *vj = v + j * row_stride;
+                const int64_t vj = v_at + j * row_stride;
                 const vec8 pj = splat8(p[j]);
-                for (int c = 0; c < C; c++) o[c] += pj * load8(vj + 8 * c);
+                for (int c = 0; c < C; c++) o[c] += pj * load8_at(job->v_cache, vj + 8 * c, bf16);
             }
             for (int c = 0; c < C; c++) store8(a + 8 * c, o[c]);
             for (int d = 8 * C; d < D; d++) { /* head sizes off the vector width */
                 a[d] *= c_old;
-                for (int j = 0; j < n; j++) a[d] += p[j] * v[j * row_stride + d];
+                for (int j = 0; j < n; j++) a[d] += p[j] * load_elem(job->v_cache, v_at + j * row_stride + d, bf16);
             }
         }
     }
     for (int g = 0; g < G; g++) {
         const float inv = len > 0 ? 1.f / l[g] : 0.f;
-        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+        for (int d = 0; d < D; d++) store_elem(job->out, out_at + g * D + d, acc[g * D + d] * inv, bf16);
     }
 }
 
 static void attend_one(const Job *job, int64_t item) {
-    switch (job->head_dim) { /* a constant D for the head sizes models use */
-    case 64: attend(job, item, 64); break;
-    case 128: attend(job, item, 128); break;
-    default: attend(job, item, job->head_dim);
+    switch (job->head_dim * 2 + job->bf16) { /* constants for the head sizes models use, by type */
+    case 64 * 2: attend(job, item, 64, 0); break;
+    case 64 * 2 + 1: attend(job, item, 64, 1); break;
+    case 128 * 2: attend(job, item, 128, 0); break;
+    case 128 * 2 + 1: attend(job, item, 128, 1); break;
+    default:
+        if (job->bf16) attend(job, item, job->head_dim, 1);
+        else attend(job, item, job->head_dim, 0);
     }
 }
 
@@ -175,12 +201,13 @@ static void *run_thread(void *job) {
 #endif
 
 /* Returns 0, or -1 when the shapes exceed the fixed buffers (the caller then takes the torch path). */
-int paged_attention_rows(const float *q, int64_t q_row_stride, const float *k_cache,
-                         const float *v_cache, const int32_t *block_tables, int64_t table_stride,
+/* q, k_cache, v_cache and out: fp32 arrays, or bf16 ones (uint16_t) where bf16 is 1. */
+int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cache,
+                         const void *v_cache, const int32_t *block_tables, int64_t table_stride,
                          const int32_t *row_idx, const int32_t *row_seq, const int32_t *row_len,
                          int num_rows, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, float scale, float *out, int64_t out_row_stride,
-                         int num_threads) {
+                         int block_size, float scale, void *out, int64_t out_row_stride,
+                         int num_threads, int bf16) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM ||
         block_size > MAX_BLOCK)
         return -1;
@@ -197,7 +224,7 @@ int paged_attention_rows(const float *q, int64_t q_row_stride, const float *k_ca
         Job *job = &jobs[t];
         *job = (Job){q, k_cache, v_cache, out, block_tables, row_idx, row_seq, row_len,
                      q_row_stride, out_row_stride, table_stride, num_kv_heads,
-                     num_heads / num_kv_heads, head_dim, block_size, scale, item, item};
+                     num_heads / num_kv_heads, head_dim, block_size, bf16 != 0, scale, item, item};
         const int64_t target = total * (t + 1) / num_threads;
         while (item < items && (t == num_threads - 1 || done < target)) {
             done += row_len[item / num_kv_heads];

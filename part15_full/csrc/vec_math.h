@@ -1,5 +1,5 @@
-/* Math for part 15's C kernels that the compiler can vectorize. Include it first: the pragma below
-   holds for the whole file.
+/* Math for part 15's C kernels that the compiler can vectorize, and their element types (fp32 and
+   bf16). Include it first: the pragma below holds for the whole file.
 
    libm's expf is a call per element, which no loop around it can turn into vector instructions
    (without -ffast-math, which the kernels do not use). exp_approx is Cephes' single-precision
@@ -44,5 +44,36 @@ static inline float reciprocal(float d) {
     r = r * (2.f - d * r);
     r = r * (2.f - d * r);
     return r * (2.f - d * r);
+}
+
+/* bf16 is the top half of an fp32 (same exponent, 7 fraction bits): widening is a shift, narrowing
+   rounds to nearest even (a NaN stays a quiet NaN). Written without branches or calls, so loops of
+   them vectorize. The kernels compute in fp32 and round once, where they store. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)((bits & 0x7FFFFFFFu) > 0x7F800000u ? (bits >> 16) | 0x40u : rounded);
+}
+
+/* Element i of an fp32 (bf16 = 0) or bf16 (bf16 = 1) array, as fp32; and its store. Every caller
+   passes a constant: the kernels' bodies are inlined once per element type, and the test folds
+   away. */
+static inline float load_elem(const void *p, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_elem(void *p, int64_t i, float x, const int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
 }
 #endif
