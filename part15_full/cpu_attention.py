@@ -8,11 +8,13 @@ the time, next to the GEMMs. vLLM's CPU build has C++ kernels for this; torch ha
 a block table, and Inductor's code for the same maths, written in torch, was slower than the
 gather (measured while choosing).
 
-How. `csrc/paged_attention_cpu.c` (read it: ~230 lines) walks each row's block table and reads each
+How. `csrc/paged_attention_cpu.c` (read it: ~270 lines) walks each row's block table and reads each
 key and value once, with an online softmax; threads split the rows by the keys they read. It takes
 query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's verification
 rows), each with its own causal length; longer queries (prefill) stay on the gather + SDPA path,
-where the GEMM-shaped work suits SDPA. cpu_build.py compiles it once per machine; ctypes loads it.
+where the GEMM-shaped work suits SDPA. The same library stores the step's new K/V rows in their
+slots first (store_kv: one call for K and V, where torch took an index_copy_ each). fp32 or bf16.
+cpu_build.py compiles it once per machine; ctypes loads it.
 Without a compiler, or if the build fails, a warning says so and the torch path serves (the
 engine's results are the same, to float rounding).
 
@@ -47,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 @lru_cache(maxsize=None)
 def load_kernel():
-    """The kernel's C function, or None (off, no compiler, build failed): then the torch path."""
+    """The kernel's library (bind()), or None (off, no compiler, build failed): then the torch path."""
     if not ENABLED:
         return None
     path = build(SOURCE)
@@ -57,14 +59,16 @@ def load_kernel():
     return bind(path)
 
 
-def bind(path: Path):
-    """The library's one function, with its C signature declared for ctypes."""
-    fn = ctypes.CDLL(str(path)).paged_attention_rows
+def bind(path: Path) -> ctypes.CDLL:
+    """The library, its two functions' C signatures declared for ctypes."""
+    lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32,
-                   ctypes.c_float, ptr, i64, i32, i32]
-    fn.restype = i32
-    return fn
+    lib.paged_attention_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32,
+                                         ctypes.c_float, ptr, i64, i32, i32]
+    lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
+    for fn in (lib.paged_attention_rows, lib.store_kv):
+        fn.restype = i32
+    return lib
 
 
 @dataclass
@@ -75,7 +79,7 @@ class _Plan:
     row_seq: torch.Tensor  # [R] int32: its sequence
     row_len: torch.Tensor  # [R] int32: the keys it sees (causal)
     long: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, seq_len, blocks): via SDPA
-    slots: torch.Tensor | None  # the slot mapping when no token is padding, else None
+    slots: torch.Tensor  # the slot mapping, int64, contiguous (-1: a padding token)
 
 
 def _plan(metadata: PagedAttentionMetadata, block_size: int) -> _Plan:
@@ -94,17 +98,15 @@ def _plan(metadata: PagedAttentionMetadata, block_size: int) -> _Plan:
 
     def i32(values):
         return torch.tensor(values, dtype=torch.int32)
-    slots = metadata.slot_mapping
-    no_padding = slots.numel() == 0 or int(slots.min()) >= 0
     return _Plan(metadata.block_tables.to(torch.int32).contiguous(), i32(rows), i32(seqs), i32(lens), long,
-                 slots if no_padding else None)
+                 metadata.slot_mapping.to(torch.int64).contiguous())
 
 
 class CpuPagedAttention:
     """The CPU path of PagedAttention.forward: store this step's K/V, then attend."""
 
-    def __init__(self, kernel):
-        self.kernel = kernel
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
         self._metadata = None  # the step whose plan is cached (the same object for every layer)
         self._plan: _Plan | None = None
 
@@ -123,10 +125,15 @@ class CpuPagedAttention:
         block_size = k_cache.shape[1]
         if metadata is not self._metadata:
             self._metadata, self._plan = metadata, _plan(metadata, block_size)
-        plan = self._plan
-        if plan.slots is not None:  # every token has a slot: a plain row copy, no mask to apply
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, plan.slots, k)
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, plan.slots, v)
+        plan, bf16 = self._plan, q.dtype == torch.bfloat16
+        heads_packed = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
+        num_slots = k_cache.shape[0] * block_size
+        if heads_packed and k.dtype == v.dtype == k_cache.dtype and plan.slots.numel() == k.shape[0]:
+            status = self.lib.store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                       v_cache.data_ptr(), plan.slots.data_ptr(), k.shape[0],
+                                       k.shape[1] * k.shape[2], num_slots, bf16)
+            if status != 0:
+                raise IndexError(f"a slot is past the KV pool's {num_slots}")
         else:
             reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -134,12 +141,13 @@ class CpuPagedAttention:
         out = torch.empty(q.shape, dtype=q.dtype)
         if plan.row_idx.numel():
             with torch.profiler.record_function("cpu_paged_attention"):  # a ctypes call is no torch op
-                status = self.kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                     plan.tables.data_ptr(), plan.tables.stride(0), plan.row_idx.data_ptr(),
-                                     plan.row_seq.data_ptr(), plan.row_len.data_ptr(), plan.row_idx.numel(),
-                                     q.shape[1], k_cache.shape[2], q.shape[2], block_size, scale,
-                                     out.data_ptr(), out.stride(0), torch.get_num_threads(),
-                                     q.dtype == torch.bfloat16)
+                status = self.lib.paged_attention_rows(
+                    q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), plan.tables.data_ptr(),
+                    plan.tables.stride(0), plan.row_idx.data_ptr(), plan.row_seq.data_ptr(),
+                    plan.row_len.data_ptr(), plan.row_idx.numel(), q.shape[1], k_cache.shape[2], q.shape[2],
+                    block_size, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(), bf16)
+            if status == -2:
+                raise MemoryError("CPU paged attention: no memory for the bf16 block buffers")
             assert status == 0, "shapes outside the kernel's buffers (supports() should have said)"
         for start, q_len, seq_len, tables in plan.long:  # prefill: gather its context, then SDPA
             keys, values = _gather(k_cache, tables, seq_len), _gather(v_cache, tables, seq_len)

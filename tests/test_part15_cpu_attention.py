@@ -57,9 +57,9 @@ def assert_matches_dense(out, batch, case):
 
 @pytest.fixture(scope="module")
 def kernel():
-    fn = cpu_attention.load_kernel()
-    assert fn is not None, "no C compiler here? the set-up installs none; cc must be on PATH"
-    return cpu_attention.CpuPagedAttention(fn)
+    lib = cpu_attention.load_kernel()
+    assert lib is not None, "no C compiler here? the set-up installs none; cc must be on PATH"
+    return cpu_attention.CpuPagedAttention(lib)
 
 
 @pytest.mark.parametrize("padding", [True, False], ids=["padded", "unpadded"])
@@ -112,6 +112,23 @@ def test_decode_reads_the_blocks_in_place(kernel, monkeypatch):
                        batch["metadata"], batch["scale"])
         assert len(gathers) == expected, name  # the q_len-9 sequence: one gather for K, one for V
         gathers.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slot_past_the_pool_raises_and_stores_nothing(kernel, dtype):
+    """The kernel's K/V store checks every slot before it copies one (a wrong slot mapping must not
+    write past the pool); padding slots (-1) are skipped."""
+    case = Case(9, 3, 64, 16, ((40, 1), (20, 1)), dtype=dtype)
+    batch = make_batch(case)
+    k_before, v_before = batch["k_cache"].clone(), batch["v_cache"].clone()
+    metadata = batch["metadata"]
+    num_slots = batch["k_cache"].shape[0] * case.block_size
+    metadata.slot_mapping = metadata.slot_mapping.clone()
+    metadata.slot_mapping[1] = num_slots  # token 0 would land in the pool first
+    with pytest.raises(IndexError, match="past the KV pool"):
+        kernel.forward(batch["q"], batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], metadata,
+                       batch["scale"])
+    assert torch.equal(batch["k_cache"], k_before) and torch.equal(batch["v_cache"], v_before)
 
 
 def test_shapes_beyond_the_kernel_take_the_reference_path():

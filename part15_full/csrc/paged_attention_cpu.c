@@ -13,22 +13,24 @@
 
    Softmax is online (one pass over the keys, a block at a time): a running maximum m, a running
    sum l of exp(score - m), and an output accumulator rescaled whenever m grows. q, the pool and out
-   are all fp32 or all bf16 (`bf16`); the sums are fp32 either way, and a bf16 K/V row is widened as
-   it is loaded (a shift: vec_math.h), so a bf16 pool is half the bytes to read.
+   are all fp32 or all bf16 (`bf16`); the sums are fp32 either way. A bf16 block is widened once
+   into the thread's fp32 buffer (a shift per element: vec_math.h) and the fp32 loops read that, so
+   a bf16 pool is half the bytes to read and each element is widened once, not once per query head.
    Built by cpu_build.py with the system C compiler.
 
    Speed. Reading from memory is the floor, and the loops must not be slower than it. Each block's
    values are summed into accumulators held in vector registers across all its keys (a first
    version added each key into the accumulator in memory: a load and a store per 8 floats per key,
    which made the kernel 1.6-2.2x slower than this one); the head size is a compile-time constant
-   for 64 and 128, so those loops unroll (the element type is a constant too); and the next block's
-   rows are prefetched while this one is computed, since the block table sends each block somewhere
-   else in the pool. */
+   for 64 and 128, so those loops unroll (the element type is a constant too). An earlier version
+   also prefetched the next block's rows (6-8% faster on an AVX2 EPYC); on a Zen 4 EPYC the same
+   kernel ran 1.26x faster without it, the hardware prefetchers doing better alone, so it is gone. */
 #include "vec_math.h"
 
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 16  /* query heads per KV head */
@@ -42,6 +44,7 @@ typedef struct {
     const int32_t *block_tables, *row_idx, *row_seq, *row_len;
     int64_t q_row_stride, out_row_stride, table_stride;
     int num_kv_heads, group, head_dim, block_size, bf16;
+    float *widened; /* bf16: this thread's 2 x block_size x head_dim floats, a block's K and V */
     float scale;
     int64_t begin, end; /* this thread's work items: item = row * num_kv_heads + kv_head */
 } Job;
@@ -52,20 +55,10 @@ typedef struct {
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float vec4 __attribute__((vector_size(16)));
-typedef uint16_t bf16x8_unaligned __attribute__((vector_size(16), aligned(2), may_alias));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 static inline vec8 load8(const float *p) { return *(const vec8_unaligned *)p; }
 static inline void store8(float *p, vec8 x) { *(vec8_unaligned *)p = x; }
-/* Eight elements from element i of an fp32 or bf16 array, as floats (bf16: each widened by a
-   shift into the top half of its float, vec_math.h's bf16_to_f32 eight at a time). */
-static inline vec8 load8_at(const void *base, int64_t i, const int bf16) {
-    if (!bf16) return load8((const float *)base + i);
-    const u32x8 bits = __builtin_convertvector(*(const bf16x8_unaligned *)((const uint16_t *)base + i), u32x8) << 16;
-    vec8 x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
+
 static inline vec8 splat8(float x) { return (vec8){x, x, x, x, x, x, x, x}; }
 static inline float sum8(vec8 x) {
     vec4 lo, hi;
@@ -79,7 +72,8 @@ static inline float sum8(vec8 x) {
 
 /* One (query row, KV head). Inlined with D and the element type constants for the common head
    sizes, so the loops over D unroll and the output accumulators stay in registers while the keys
-   stream by. K/V are addressed by element: k_at and v_at are where this block's rows begin. */
+   stream by. k and v point at this block's first K and V rows, `stride` floats apart: in the pool
+   (fp32), or in the thread's buffer, widened (bf16). */
 static inline __attribute__((always_inline)) void attend(const Job *job, int64_t item, const int D,
                                                          const int bf16) {
     const int KV = job->num_kv_heads, G = job->group, bs = job->block_size, C = D / 8;
@@ -89,7 +83,6 @@ static inline __attribute__((always_inline)) void attend(const Job *job, int64_t
     const int64_t q_at = (int64_t)job->row_idx[r] * job->q_row_stride + (int64_t)h * G * D;
     const int64_t out_at = (int64_t)job->row_idx[r] * job->out_row_stride + (int64_t)h * G * D;
     const int64_t row_stride = (int64_t)KV * D; /* from one token's K (or V) row to the next */
-    const int elem = bf16 ? 2 : 4, line = 64 / elem; /* bytes per element, elements per cache line */
     float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * MAX_BLOCK], acc[MAX_GROUP * MAX_HEAD_DIM];
     float q[MAX_GROUP * MAX_HEAD_DIM]; /* this KV head's query heads, in fp32 */
 
@@ -98,37 +91,37 @@ static inline __attribute__((always_inline)) void attend(const Job *job, int64_t
     memset(acc, 0, sizeof(float) * G * D);
     for (int t0 = 0; t0 < len; t0 += bs) {
         const int n = len - t0 < bs ? len - t0 : bs;
-        const int64_t first = (int64_t)table[t0 / bs] * bs;
-        const int64_t k_at = first * row_stride + (int64_t)h * D, v_at = k_at;
-        if (t0 + bs < len) { /* the next block lies elsewhere: ask for its rows now */
-            const int64_t next = (int64_t)table[t0 / bs + 1] * bs * row_stride + (int64_t)h * D;
-            for (int j = 0; j < bs; j++)
-                for (int d = 0; d < D; d += line) {
-                    __builtin_prefetch((const char *)job->k_cache + (next + j * row_stride + d) * elem);
-                    __builtin_prefetch((const char *)job->v_cache + (next + j * row_stride + d) * elem);
+        const int64_t at = (int64_t)table[t0 / bs] * bs * row_stride + (int64_t)h * D; /* row 0, head h */
+        const float *k, *v;
+        int64_t stride;
+        if (bf16) {
+            const uint16_t *k16 = (const uint16_t *)job->k_cache + at, *v16 = (const uint16_t *)job->v_cache + at;
+            float *kw = job->widened, *vw = kw + (int64_t)bs * D;
+            for (int j = 0; j < n; j++)
+                for (int d = 0; d < D; d++) {
+                    kw[j * D + d] = bf16_to_f32(k16[j * row_stride + d]);
+                    vw[j * D + d] = bf16_to_f32(v16[j * row_stride + d]);
                 }
+            k = kw, v = vw, stride = D;
+        } else {
+            k = (const float *)job->k_cache + at, v = (const float *)job->v_cache + at, stride = row_stride;
         }
         for (int g = 0; g < G; g++) { /* scores: four keys at a time, four sums in flight */
             const float *qg = q + g * D;
             int j = 0;
             for (; j + 4 <= n; j += 4) {
-                const int64_t k0 = k_at + j * row_stride, k1 = k0 + row_stride, k2 = k1 + row_stride,
-                              k3 = k2 + row_stride;
-                const void *K = job->k_cache;
+                const float *k0 = k + j * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
                 vec8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                 for (int c = 0; c < C; c++) {
                     const vec8 qc = load8(qg + 8 * c);
-                    a0 += qc * load8_at(K, k0 + 8 * c, bf16);
-                    a1 += qc * load8_at(K, k1 + 8 * c, bf16);
-                    a2 += qc * load8_at(K, k2 + 8 * c, bf16);
-                    a3 += qc * load8_at(K, k3 + 8 * c, bf16);
+                    a0 += qc * load8(k0 + 8 * c);
+                    a1 += qc * load8(k1 + 8 * c);
+                    a2 += qc * load8(k2 + 8 * c);
+                    a3 += qc * load8(k3 + 8 * c);
                 }
                 float d0 = sum8(a0), d1 = sum8(a1), d2 = sum8(a2), d3 = sum8(a3);
                 for (int d = 8 * C; d < D; d++) {
-                    d0 += qg[d] * load_elem(K, k0 + d, bf16);
-                    d1 += qg[d] * load_elem(K, k1 + d, bf16);
-                    d2 += qg[d] * load_elem(K, k2 + d, bf16);
-                    d3 += qg[d] * load_elem(K, k3 + d, bf16);
+                    d0 += qg[d] * k0[d]; d1 += qg[d] * k1[d]; d2 += qg[d] * k2[d]; d3 += qg[d] * k3[d];
                 }
                 s[g * bs + j] = d0 * job->scale;
                 s[g * bs + j + 1] = d1 * job->scale;
@@ -136,11 +129,11 @@ static inline __attribute__((always_inline)) void attend(const Job *job, int64_t
                 s[g * bs + j + 3] = d3 * job->scale;
             }
             for (; j < n; j++) {
-                const int64_t kj = k_at + j * row_stride;
+                const float *kj = k + j * stride;
                 vec8 a = {0};
-                for (int c = 0; c < C; c++) a += load8(qg + 8 * c) * load8_at(job->k_cache, kj + 8 * c, bf16);
+                for (int c = 0; c < C; c++) a += load8(qg + 8 * c) * load8(kj + 8 * c);
                 float dot = sum8(a);
-                for (int d = 8 * C; d < D; d++) dot += qg[d] * load_elem(job->k_cache, kj + d, bf16);
+                for (int d = 8 * C; d < D; d++) dot += qg[d] * kj[d];
                 s[g * bs + j] = dot * job->scale;
             }
         }
@@ -160,14 +153,14 @@ static inline __attribute__((always_inline)) void attend(const Job *job, int64_t
             const vec8 shrink = splat8(c_old);
             for (int c = 0; c < C; c++) o[c] = load8(a + 8 * c) * shrink;
             for (int j = 0; j < n; j++) {
-                const int64_t vj = v_at + j * row_stride;
+                const float *vj = v + j * stride;
                 const vec8 pj = splat8(p[j]);
-                for (int c = 0; c < C; c++) o[c] += pj * load8_at(job->v_cache, vj + 8 * c, bf16);
+                for (int c = 0; c < C; c++) o[c] += pj * load8(vj + 8 * c);
             }
             for (int c = 0; c < C; c++) store8(a + 8 * c, o[c]);
             for (int d = 8 * C; d < D; d++) { /* head sizes off the vector width */
                 a[d] *= c_old;
-                for (int j = 0; j < n; j++) a[d] += p[j] * load_elem(job->v_cache, v_at + j * row_stride + d, bf16);
+                for (int j = 0; j < n; j++) a[d] += p[j] * v[j * stride + d];
             }
         }
     }
@@ -200,7 +193,8 @@ static void *run_thread(void *job) {
 }
 #endif
 
-/* Returns 0, or -1 when the shapes exceed the fixed buffers (the caller then takes the torch path). */
+/* Returns 0; -1 when the shapes exceed the fixed buffers (the caller then takes the torch path), -2
+   when the bf16 buffers cannot be allocated. */
 /* q, k_cache, v_cache and out: fp32 arrays, or bf16 ones (uint16_t) where bf16 is 1. */
 int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cache,
                          const void *v_cache, const int32_t *block_tables, int64_t table_stride,
@@ -214,6 +208,9 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
     if (num_threads < 1) num_threads = 1;
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
     Job jobs[MAX_THREADS];
+    const int64_t per_thread = 2 * (int64_t)block_size * head_dim; /* a block's K and V, widened */
+    float *widened = bf16 ? malloc(sizeof(float) * per_thread * num_threads) : NULL;
+    if (bf16 && !widened) return -2;
 
     /* Split the items by the keys they read, not by their count: rows differ in length. */
     const int64_t items = (int64_t)num_rows * num_kv_heads;
@@ -224,7 +221,8 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
         Job *job = &jobs[t];
         *job = (Job){q, k_cache, v_cache, out, block_tables, row_idx, row_seq, row_len,
                      q_row_stride, out_row_stride, table_stride, num_kv_heads,
-                     num_heads / num_kv_heads, head_dim, block_size, bf16 != 0, scale, item, item};
+                     num_heads / num_kv_heads, head_dim, block_size, bf16 != 0,
+                     widened ? widened + t * per_thread : NULL, scale, item, item};
         const int64_t target = total * (t + 1) / num_threads;
         while (item < items && (t == num_threads - 1 || done < target)) {
             done += row_len[item / num_kv_heads];
@@ -249,5 +247,26 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
         else run_job(&jobs[t]); /* empty, or no thread could be started: run it here */
     }
 #endif
+    free(widened);
+    return 0;
+}
+
+/* This step's new K and V into the pool before attending (vLLM's reshape_and_cache): token t's row
+   of k and of v (row_elems = kv_heads x head_dim contiguous elements; rows `*_row_stride` elements
+   apart: views into the fused QKV output) goes to slot slots[t] of k_cache and v_cache, pools of
+   num_slots such rows. A slot of -1 (a padding token) is skipped. One call for both, where torch
+   needs an index_copy_ each at ~25 us for a few KB. Returns -1, having written nothing, if a slot
+   is past the pool. */
+int store_kv(const void *k, int64_t k_row_stride, const void *v, int64_t v_row_stride, void *k_cache,
+             void *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row_elems, int64_t num_slots,
+             int bf16) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] >= num_slots) return -1;
+    const int64_t elem = bf16 ? 2 : 4, row = row_elems * elem;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy((char *)k_cache + slots[t] * row, (const char *)k + t * k_row_stride * elem, row);
+        memcpy((char *)v_cache + slots[t] * row, (const char *)v + t * v_row_stride * elem, row);
+    }
     return 0;
 }
