@@ -261,6 +261,28 @@ def test_the_engine_runs_them_on_cpu_and_the_off_switch_removes_them(monkeypatch
         cpu_ops.load_ops.cache_clear()
 
 
+def test_the_engine_in_bf16_tracks_the_fp32_oracle(prompt_token_ids, fp32_oracle):
+    """Part 15 in bf16 on the CPU, held to the fp32 oracle with the bf16 tolerances the GPU tier
+    holds every part to on CUDA: through the bf16 kernels (attention, norm, rotary, SiLU), and with
+    the weights prepacked for oneDNN where the CPU has native bf16."""
+    from part15_full import LLM
+    from shared.layers import Linear
+
+    from conftest import assert_bf16_greedy_tracks, assert_bf16_teacher_forced
+
+    with LLM(device="cpu", dtype="bfloat16", kv_cache_memory_mb=128) as llm:
+        runner = llm.engine.executor.runner
+        kinds = {type(m) for m in runner.model.modules()}
+        assert {CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul} <= kinds
+        probe = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
+        assert runner.attn.cpu_kernel.supports(probe, runner.attn.k_cache[0])
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert all((m.packed_weight is not None) == native for m in linears)
+        assert_bf16_teacher_forced(llm, prompt_token_ids, fp32_oracle)
+        assert_bf16_greedy_tracks(llm, prompt_token_ids, fp32_oracle)
+
+
 def test_a_build_without_openmp_or_march_gives_the_same_results(ops, tmp_path, monkeypatch):
     """A plainer compiler line (the set-up's last fallback): one thread, no AVX, same maths."""
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
