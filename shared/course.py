@@ -605,9 +605,15 @@ def _code_of(line: str) -> str:
     return line.strip()
 
 
-def excerpt_lines(block: str) -> list[str]:
+def _c_code_of(line: str) -> str:
+    """A C line without its indentation and comments (`/* ... */` closed on the line, `//` on)."""
+    return re.sub(r"/\*.*?\*/", "", line).split("//")[0].strip()
+
+
+def excerpt_lines(block: str, code_of=_code_of) -> list[str]:
     """The lines of an excerpt that must be in the code: not blank, not a comment, not an elision."""
-    return [c for c in map(_code_of, block.splitlines()) if c and not c.startswith(("#", "..."))]
+    skip = ("#", "...") if code_of is _code_of else ("/*", "*", "...")
+    return [c for c in map(code_of, block.splitlines()) if c and not c.startswith(skip)]
 
 
 def _contains_in_order(lines: list[str], source: list[str]) -> int:
@@ -617,22 +623,24 @@ def _contains_in_order(lines: list[str], source: list[str]) -> int:
 
 
 def excerpt_problems(stage: Stage, root: Path = ROOT) -> list[str]:
-    """The python excerpts of a lesson's code walk that are not the part's code: each one's lines
-    must appear, in order, in one file of the part or of shared/ (elisions `...` and comments aside),
-    so a lesson cannot show code the part no longer has."""
+    """The python and C excerpts of a lesson's code walk that are not the part's code: each one's
+    lines must appear, in order, in one file of the part or of shared/ (.py; .c and .h for C;
+    elisions `...` and comments aside), so a lesson cannot show code the part no longer has."""
     lesson = stage.path / "README.md"
     if not lesson.is_file():
         return []
-    blocks = re.findall(r"^```python\n(.*?)^```", code_section(lesson.read_text()), re.S | re.M)
-    files = [*stage.path.rglob("*.py"), *(root / "shared").rglob("*.py")]
-    sources = [[_code_of(line) for line in f.read_text().splitlines()] for f in files]
+    section = code_section(lesson.read_text())
     problems = []
-    for block in blocks:
-        lines = excerpt_lines(block)
-        best = max((_contains_in_order(lines, src) for src in sources), default=0)
-        if best < len(lines):
-            problems.append(f"{stage.name}/README.md, The code: an excerpt's line {lines[best]!r} "
-                            f"is not in the part's code (in that order)")
+    for lang, suffixes, code_of in (("python", (".py",), _code_of), ("c", (".c", ".h"), _c_code_of)):
+        blocks = re.findall(rf"^```{lang}\n(.*?)^```", section, re.S | re.M)
+        files = [f for d in (stage.path, root / "shared") for f in d.rglob("*") if f.suffix in suffixes]
+        sources = [[code_of(line) for line in f.read_text().splitlines()] for f in files]
+        for block in blocks:
+            lines = excerpt_lines(block, code_of)
+            best = max((_contains_in_order(lines, src) for src in sources), default=0)
+            if best < len(lines):
+                problems.append(f"{stage.name}/README.md, The code: an excerpt's line {lines[best]!r} "
+                                f"is not in the part's code (in that order)")
     return problems
 
 

@@ -187,6 +187,23 @@ def test_check_catches_a_code_excerpt_the_code_does_not_have(tmp_path):
     assert course.excerpt_problems(course.find_stage("09", tmp_path), tmp_path) == []
 
 
+def test_check_catches_a_c_excerpt_the_kernel_does_not_have(tmp_path):
+    """Lesson 15 quotes its C kernels: those excerpts are held to the .c and .h files the same way."""
+    copy_parts(tmp_path, "part15_full")
+    (tmp_path / "shared").mkdir()
+    stage = course.find_stage("15", tmp_path)
+    assert course.excerpt_problems(stage, tmp_path) == []
+    lesson = stage.path / "README.md"
+    text = lesson.read_text()
+    line = "for (int j = 0; j < n; j++) p[j] = exp_approx(p[j] - m[g]); /* vectorized (vec_math.h) */\n"
+    assert line in text
+    lesson.write_text(text.replace(line, line.replace("exp_approx", "expf")))
+    problems = course.excerpt_problems(stage, tmp_path)
+    assert len(problems) == 1 and "expf(p[j] - m[g])" in problems[0]
+    lesson.write_text(text.replace(line, line.replace("/* vectorized (vec_math.h) */", "// one exp per score")))
+    assert course.excerpt_problems(stage, tmp_path) == []
+
+
 # ---- build it yourself: exercise and grade ----------------------------------------------------
 
 EXERCISE_STAGES = [s for s in course.stages() if course.exercise_functions(s)]
