@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import os
 import random
+from pathlib import Path
 
 # Before numpy and torch start their thread pools: an idle OpenMP thread sleeps instead of
 # spinning. Beside another busy process (a notebook kernel, a server subprocess, anything else on
@@ -248,6 +249,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """The first of n consecutive free loopback ports, for a launcher that binds the ports after the
+    one it is given (part 09's --master-port: +1 and +2; part 10's RPC port: +1). Chosen below the
+    OS's ephemeral range, where the kernel's own picks (free_port(), any outgoing connection of a
+    test running beside this one) never land: a port checked free there stays free. A run picked in
+    the ephemeral range failed once: another socket took master_port + 1 between check and bind."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.Random()  # unseeded: two workers must not walk the same ports
+    for _ in range(200):
+        base = rng.randrange(20000, min(low, 32768) - n)
+        sockets = [socket.socket() for _ in range(n)]
+        try:
+            for i, s in enumerate(sockets):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
 
 
 @contextlib.contextmanager

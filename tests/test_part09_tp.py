@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port, greedy, pool_is_full, running_server, save_tiny
+from conftest import free_port, free_port_run, greedy, pool_is_full, running_server, save_tiny
 from shared.sampling_params import SamplingParams
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -233,7 +233,7 @@ def test_tp3_on_the_embedded_model_matches_hf(prompt_token_ids, hf_greedy):
 
 def test_two_nodes_on_loopback(tiny, tp1_outputs):
     """Node 1 is a --headless server process holding rank 1; node 0 runs the engine and rank 0."""
-    port = free_port()
+    port = free_port_run(3)  # the driver binds port + 1 and port + 2 too
     common = ["--model", str(tiny["untied"]), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-mb", "4",
               "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     node1 = subprocess.Popen([sys.executable, "-m", "part09_tp.server", *common, "--node-rank", "1", "--headless"])
@@ -306,7 +306,7 @@ def test_a_hung_rank_fails_the_engine_within_the_step_timeout(tiny):
 
 def test_a_headless_node_exits_when_node_0_is_gone(tiny):
     """kill -9 of node 0's server: node 1 (and its rank) notice the driver is gone and exit."""
-    port, http = free_port(), free_port()
+    port, http = free_port_run(3), free_port()
     common = ["--model", str(tiny["untied"]), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-mb", "4",
               "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     node1 = subprocess.Popen([sys.executable, "-m", "part09_tp.server", *common, "--node-rank", "1", "--headless"])

@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import free_port, running_server, save_tiny
+from conftest import free_port, free_port_run, running_server, save_tiny
 from shared.sampling_params import SamplingParams
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -234,20 +234,6 @@ def test_a_dead_engine_fails_only_its_requests(tiny):
         assert closed(client)
 
 
-def two_free_ports() -> int:
-    """A port whose successor is free too (the DP RPC port and the outputs port)."""
-    import socket
-
-    while True:
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-
-
 def headless_engine_1(tiny, port: int) -> subprocess.Popen:
     """Engine 1 of 2, as another host runs it: headless, connecting to this host's RPC port."""
     args = ["--model", str(tiny), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-mb", "4",
@@ -257,7 +243,7 @@ def headless_engine_1(tiny, port: int) -> subprocess.Popen:
 
 
 def test_an_engine_on_another_host_serves_its_share(tiny):
-    port = two_free_ports()
+    port = free_port_run(2)
     other_host = headless_engine_1(tiny, port)
     client = None
     try:
@@ -328,7 +314,7 @@ def test_an_engine_ready_long_before_the_others_is_not_silent(tiny):
     count, so it is not declared dead the moment the server starts serving."""
     import threading
 
-    limit, port, box = 2.0, two_free_ports(), {}  # heartbeats every 0.5 s: 4 missed before a false death
+    limit, port, box = 2.0, free_port_run(2), {}  # heartbeats every 0.5 s: 4 missed before a false death
 
     def construct() -> None:
         try:
@@ -479,7 +465,7 @@ def _alive(pid: int) -> bool:
 def test_killing_the_api_server_leaves_no_process_behind(tiny):
     """kill -9 of a DP=2 server (one engine local with TP=2 workers, one headless on "another host"):
     every engine and worker process ends by itself."""
-    port = _two_free_ports()
+    port = free_port_run(2)
     http = free_port()
     common = ["--model", str(tiny), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-mb", "4",
               "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(port),
@@ -517,14 +503,3 @@ def test_killing_the_api_server_leaves_no_process_behind(tiny):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _two_free_ports() -> int:
-    import socket
-
-    while True:
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
