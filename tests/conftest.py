@@ -253,10 +253,11 @@ def free_port() -> int:
 
 def free_port_run(n: int) -> int:
     """The first of n consecutive free loopback ports, for a launcher that binds the ports after the
-    one it is given (part 09's --master-port: +1 and +2; part 10's RPC port: +1). Chosen below the
-    OS's ephemeral range, where the kernel's own picks (free_port(), any outgoing connection of a
-    test running beside this one) never land: a port checked free there stays free. A run picked in
-    the ephemeral range failed once: another socket took master_port + 1 between check and bind."""
+    one it is given (part 09's --master-port: +1 and +2; part 10's RPC port and part 13's --kv-port:
+    +1). Chosen below the OS's ephemeral range, where the kernel's own picks (free_port(), any
+    outgoing connection of a test running beside this one) never land: a port checked free there
+    stays free. A run picked in the ephemeral range failed once: another socket took
+    master_port + 1 between check and bind."""
     import random
     import socket
 

@@ -27,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import free_port, greedy, release_memory, running_server
+from conftest import free_port, free_port_run, greedy, release_memory, running_server
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("release_memory_after_each_test")
@@ -310,7 +310,8 @@ def test_example_connector_finds_the_prefix_on_disk_in_another_engine_and_after_
 
 
 def launch(port: int, log: Path, *server_flags: str) -> subprocess.Popen:
-    ports = ["--prefill-port", str(free_port()), "--decode-port", str(free_port()), "--kv-port", str(free_port())]
+    # the decode server's side channel is --kv-port + 1
+    ports = ["--prefill-port", str(free_port()), "--decode-port", str(free_port()), "--kv-port", str(free_port_run(2))]
     with open(log, "wb") as f:
         return subprocess.Popen([sys.executable, "-m", "part13_disagg.disagg_serve", "--port", str(port), *ports,
                                  "--num-threads", "1", "--", *server_flags], cwd=ROOT, stdout=f,

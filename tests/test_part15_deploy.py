@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import free_port
+from conftest import free_port, free_port_run
 from test_part13_disagg import end, wait_healthy
 from test_part15_server import MODEL, TINY, tiny_model_folder
 
@@ -62,8 +62,10 @@ def localised(commands: list[str], folder: Path, ports: dict[str, str]) -> list[
         if argv[2] == "part15_full.server":
             argv += ["--served-model-name", MODEL, *TINY, "--num-threads", "1"]
         elif argv[2] == "part15_full.disagg_serve":
-            # Free ports for the trio, not --port's neighbours and the default side channel.
-            argv += [flag for name in ("prefill", "decode", "kv") for flag in (f"--{name}-port", str(free_port()))]
+            # Free ports for the trio, not --port's neighbours and the default side channel (the
+            # decode server's side channel is --kv-port + 1).
+            argv += ["--prefill-port", str(free_port()), "--decode-port", str(free_port()),
+                     "--kv-port", str(free_port_run(2))]
             argv += ["--num-threads", "1", "--", "--model", str(folder), "--served-model-name", MODEL, *TINY]
         out.append(argv)
     return out
