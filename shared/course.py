@@ -610,10 +610,9 @@ def _c_code_of(line: str) -> str:
     return re.sub(r"/\*.*?\*/", "", line).split("//")[0].strip()
 
 
-def excerpt_lines(block: str, code_of=_code_of) -> list[str]:
+def excerpt_lines(block: str, code_of=_code_of, comments: tuple[str, ...] = ("#",)) -> list[str]:
     """The lines of an excerpt that must be in the code: not blank, not a comment, not an elision."""
-    skip = ("#", "...") if code_of is _code_of else ("/*", "*", "...")
-    return [c for c in map(code_of, block.splitlines()) if c and not c.startswith(skip)]
+    return [c for c in map(code_of, block.splitlines()) if c and not c.startswith((*comments, "..."))]
 
 
 def _contains_in_order(lines: list[str], source: list[str]) -> int:
@@ -631,12 +630,13 @@ def excerpt_problems(stage: Stage, root: Path = ROOT) -> list[str]:
         return []
     section = code_section(lesson.read_text())
     problems = []
-    for lang, suffixes, code_of in (("python", (".py",), _code_of), ("c", (".c", ".h"), _c_code_of)):
+    for lang, suffixes, code_of, comments in (("python", (".py",), _code_of, ("#",)),
+                                              ("c", (".c", ".h"), _c_code_of, ("/*", "*"))):
         blocks = re.findall(rf"^```{lang}\n(.*?)^```", section, re.S | re.M)
         files = [f for d in (stage.path, root / "shared") for f in d.rglob("*") if f.suffix in suffixes]
         sources = [[code_of(line) for line in f.read_text().splitlines()] for f in files]
         for block in blocks:
-            lines = excerpt_lines(block, code_of)
+            lines = excerpt_lines(block, code_of, comments)
             best = max((_contains_in_order(lines, src) for src in sources), default=0)
             if best < len(lines):
                 problems.append(f"{stage.name}/README.md, The code: an excerpt's line {lines[best]!r} "

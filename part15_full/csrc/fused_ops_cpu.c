@@ -72,6 +72,16 @@ INLINE void rotate(void *x, int64_t at, int n_heads, int D, const float *c, cons
         }
 }
 
+/* Token t's q and k heads (rows `*_stride` elements apart), rotated by its position's rows of the
+   fp32 cos/sin tables [max_pos, D]. */
+INLINE void rotate_token(const int64_t *positions, int64_t t, void *q, int64_t q_stride, int nq, void *k,
+                         int64_t k_stride, int nk, int D, const float *cos_table, const float *sin_table,
+                         const int bf16) {
+    const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
+    rotate(q, t * q_stride, nq, D, c, s, bf16);
+    rotate(k, t * k_stride, nk, D, c, s, bf16);
+}
+
 /* Row t of out [T, I] = silu(gate) * up = gate / (1 + exp(-gate)) * up; each row of x [T, 2I] is
    gate | up. */
 INLINE void silu_and_mul_row(const void *x, void *out, int64_t t, int64_t I, const int bf16) {
@@ -102,9 +112,9 @@ void fused_add_rms_norm_bf16(uint16_t *x, uint16_t *residual, const uint16_t *w,
 }
 
 /* Rotate q [T, nq, D] and k [T, nk, D] in place (heads contiguous within a row, rows `*_stride`
-   elements apart: views into the fused QKV output) by the cos/sin rows [max_pos, D] of each
-   token's position (fp32 tables, whatever q's type). Returns -1, having changed nothing, if a
-   position is outside the table. */
+   elements apart: views into the fused QKV output) by the cos/sin rows of each token's position
+   (fp32 tables, whatever q's type). Returns -1, having changed nothing, if a position is outside
+   the table. */
 static int positions_in_table(const int64_t *positions, int64_t T, int64_t max_pos) {
     for (int64_t t = 0; t < T; t++)
         if (positions[t] < 0 || positions[t] >= max_pos) return 0;
@@ -115,11 +125,8 @@ int rotary_embedding(const int64_t *positions, int64_t T, float *q, int64_t q_st
                      int64_t max_pos) {
     if (!positions_in_table(positions, T, max_pos)) return -1;
 #pragma omp parallel for schedule(static) if (T * (nq + nk) * D >= PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
-        rotate(q, t * q_stride, nq, D, c, s, 0);
-        rotate(k, t * k_stride, nk, D, c, s, 0);
-    }
+    for (int64_t t = 0; t < T; t++)
+        rotate_token(positions, t, q, q_stride, nq, k, k_stride, nk, D, cos_table, sin_table, 0);
     return 0;
 }
 int rotary_embedding_bf16(const int64_t *positions, int64_t T, uint16_t *q, int64_t q_stride, int nq,
@@ -127,11 +134,8 @@ int rotary_embedding_bf16(const int64_t *positions, int64_t T, uint16_t *q, int6
                           const float *sin_table, int64_t max_pos) {
     if (!positions_in_table(positions, T, max_pos)) return -1;
 #pragma omp parallel for schedule(static) if (T * (nq + nk) * D >= PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
-        rotate(q, t * q_stride, nq, D, c, s, 1);
-        rotate(k, t * k_stride, nk, D, c, s, 1);
-    }
+    for (int64_t t = 0; t < T; t++)
+        rotate_token(positions, t, q, q_stride, nq, k, k_stride, nk, D, cos_table, sin_table, 1);
     return 0;
 }
 
