@@ -22,9 +22,17 @@
    values are summed into accumulators held in vector registers across all its keys (a first
    version added each key into the accumulator in memory: a load and a store per 8 floats per key,
    which made the kernel 1.6-2.2x slower than this one); the head size is a compile-time constant
-   for 64 and 128, so those loops unroll (the element type is a constant too). An earlier version
-   also prefetched the next block's rows (6-8% faster on an AVX2 EPYC); on a Zen 4 EPYC the same
-   kernel ran 1.26x faster without it, the hardware prefetchers doing better alone, so it is gone. */
+   for 64 and 128, so those loops unroll (the element type is a constant too).
+   In the engine K/V come from DRAM, not cache (30 layers' pools), and there memory latency is the
+   limit: a 16-token block is too short a run for the hardware prefetchers to learn, and without
+   help the kernel read 8-9 GB/s of the machine's 30, stalled on the first load of each row. So
+   while a block is summed, the next one (or, after an item's last block, the first of the thread's
+   next item) is asked for into L2, a row per key as the bf16 block is widened, spread over the
+   block's work: a burst of requests fills the core's miss buffers and stalls on them (fp32 has no
+   per-key pass before the scores and asks at the block's start). On a Zen 4 EPYC that made the
+   kernel 1.4x faster with 30 pools, bf16 and fp32, and changed nothing with the pool in cache. An
+   earlier prefetch into L1, all at once at each block's start, had been 6-8% faster on an AVX2
+   EPYC, and the kernel 1.26x faster without it on Zen 4. */
 #include "vec_math.h"
 
 #include <math.h>
@@ -70,6 +78,30 @@ static inline float sum8(vec8 x) {
 
 #define CHUNKS (MAX_HEAD_DIM / 8)
 
+/* Where the block after this one starts (head h's first row), for the prefetch: this item's next
+   block, or after its last the first block of the thread's next item; -1 if none. */
+static inline int64_t next_block_at(const Job *job, int64_t item, int t0, int len, const int32_t *table,
+                                    int64_t row_stride, const int D) {
+    const int bs = job->block_size, KV = job->num_kv_heads;
+    if (t0 + bs < len) return (int64_t)table[t0 / bs + 1] * bs * row_stride + (int64_t)(item % KV) * D;
+    if (item + 1 >= job->end) return -1;
+    const int r = (int)((item + 1) / KV);
+    const int32_t first = job->block_tables[(int64_t)job->row_seq[r] * job->table_stride];
+    if (job->row_len[r] <= 0 || first < 0) return -1;
+    return (int64_t)first * bs * row_stride + (int64_t)((item + 1) % KV) * D;
+}
+
+/* Row j of the block at `at`, K and V (`esz` bytes an element), on its way to L2. A hint: no load
+   waits for it, and an address it gets wrong costs nothing but the hint. */
+static inline void prefetch_row(const Job *job, int64_t at, int j, int64_t row_stride, const int D, const int esz) {
+    const char *k = (const char *)job->k_cache + (at + j * row_stride) * esz;
+    const char *v = (const char *)job->v_cache + (at + j * row_stride) * esz;
+    for (int b = 0; b < D * esz; b += 64) {
+        __builtin_prefetch(k + b, 0, 2);
+        __builtin_prefetch(v + b, 0, 2);
+    }
+}
+
 /* One (query row, KV head). Inlined with D and the element type constants for the common head
    sizes, so the loops over D unroll and the output accumulators stay in registers while the keys
    stream by. k and v point at this block's first K and V rows, `stride` floats apart: in the pool
@@ -94,17 +126,24 @@ static inline __attribute__((always_inline)) void attend(const Job *job, int64_t
         const int64_t at = (int64_t)table[t0 / bs] * bs * row_stride + (int64_t)h * D; /* row 0, head h */
         const float *k, *v;
         int64_t stride;
+        /* The next block on its way while this one is summed (see "Speed" above). */
+        const int64_t next = next_block_at(job, item, t0, len, table, row_stride, D);
+        const int ahead = next < 0 ? 0 : bs; /* its rows to ask for (past its length: a few wasted hints) */
         if (bf16) {
             const uint16_t *k16 = (const uint16_t *)job->k_cache + at, *v16 = (const uint16_t *)job->v_cache + at;
             float *kw = job->widened, *vw = kw + (int64_t)bs * D;
-            for (int j = 0; j < n; j++)
+            for (int j = 0; j < n; j++) {
+                if (j < ahead) prefetch_row(job, next, j, row_stride, D, 2); /* a row per key: spread out */
                 for (int d = 0; d < D; d++) {
                     kw[j * D + d] = bf16_to_f32(k16[j * row_stride + d]);
                     vw[j * D + d] = bf16_to_f32(v16[j * row_stride + d]);
                 }
+            }
+            for (int j = n; j < ahead; j++) prefetch_row(job, next, j, row_stride, D, 2); /* a short last block */
             k = kw, v = vw, stride = D;
         } else {
             k = (const float *)job->k_cache + at, v = (const float *)job->v_cache + at, stride = row_stride;
+            for (int j = 0; j < ahead; j++) prefetch_row(job, next, j, row_stride, D, 4); /* no per-key loop here */
         }
         for (int g = 0; g < G; g++) { /* scores: four keys at a time, four sums in flight */
             const float *qg = q + g * D;
