@@ -84,11 +84,9 @@ static inline int64_t next_block_at(const Job *job, int64_t item, int t0, int le
                                     int64_t row_stride, const int D) {
     const int bs = job->block_size, KV = job->num_kv_heads;
     if (t0 + bs < len) return (int64_t)table[t0 / bs + 1] * bs * row_stride + (int64_t)(item % KV) * D;
-    if (item + 1 >= job->end) return -1;
-    const int r = (int)((item + 1) / KV);
-    const int32_t first = job->block_tables[(int64_t)job->row_seq[r] * job->table_stride];
-    if (job->row_len[r] <= 0 || first < 0) return -1;
-    return (int64_t)first * bs * row_stride + (int64_t)((item + 1) % KV) * D;
+    if (item + 1 >= job->end || job->row_len[(item + 1) / KV] <= 0) return -1;
+    const int32_t first = job->block_tables[(int64_t)job->row_seq[(item + 1) / KV] * job->table_stride];
+    return first < 0 ? -1 : (int64_t)first * bs * row_stride + (int64_t)((item + 1) % KV) * D;
 }
 
 /* Row j of the block at `at`, K and V (`esz` bytes an element), on its way to L2. A hint: no load
