@@ -244,11 +244,10 @@ def engine_client(app):
 
 
 def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, from the same range as free_port_run (below): one the OS handed out
+    itself (bind to 0) lies in its ephemeral range, where another socket may take it before the
+    test's server binds it."""
+    return free_port_run(1)
 
 
 def free_port_run(n: int) -> int:
