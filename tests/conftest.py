@@ -253,20 +253,35 @@ def free_port() -> int:
 def free_port_run(n: int) -> int:
     """The first of n consecutive free loopback ports, for a launcher that binds the ports after the
     one it is given (part 09's --master-port: +1 and +2; part 10's RPC port and part 13's --kv-port:
-    +1). Chosen below the OS's ephemeral range, where the kernel's own picks (free_port(), any
-    outgoing connection of a test running beside this one) never land: a port checked free there
-    stays free. A run picked in the ephemeral range failed once: another socket took
-    master_port + 1 between check and bind."""
-    import random
+    +1).
+
+    Chosen below the OS's ephemeral range, where the kernel's own picks (bind to 0, any outgoing
+    connection) never land, and from a slice of that range owned by this pytest-xdist worker alone,
+    walked upward so that no port is handed out twice in a session. A port checked free is not
+    yet bound: a server takes seconds to start before it binds. Two failures taught this: a run
+    picked in the ephemeral range lost master_port + 1 to another socket between check and bind,
+    and random picks shared by both workers once gave a port to two servers starting at the same
+    time (`address already in use`)."""
     import socket
 
+    global _next_port
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768  # Linux's default
-    rng = random.Random()  # unseeded: two workers must not walk the same ports
-    for _ in range(200):
-        base = rng.randrange(20000, min(low, 32768) - n)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    span = (min(low, 32768) - 20000) // workers
+    first, last = 20000 + worker * span, 20000 + (worker + 1) * span
+    if _next_port is None or not first <= _next_port < last:
+        # A random start inside the slice: a second test session on the same machine (a developer
+        # running one file beside `make test`) most likely walks other ports.
+        _next_port = random.Random().randrange(first, last - n)
+    for _ in range(span):
+        base = _next_port
+        if base + n > last:
+            base = first
+        _next_port = base + n
         sockets = [socket.socket() for _ in range(n)]
         try:
             for i, s in enumerate(sockets):
@@ -277,7 +292,10 @@ def free_port_run(n: int) -> int:
         finally:
             for s in sockets:
                 s.close()
-    raise RuntimeError(f"no {n} consecutive free ports below {low}")
+    raise RuntimeError(f"no {n} consecutive free ports in {first}-{last}")
+
+
+_next_port: int | None = None
 
 
 @contextlib.contextmanager
