@@ -32,6 +32,7 @@ from shared.sampler import SampledBatch, Sampler, SamplingRow
 from shared.weights import resolve_model_path
 
 from .compilation import compile_model, resolve_compilation_mode
+from .cpu_malloc import tune_malloc
 from .cpu_ops import CpuKernelLayers, load_ops
 from .config import EngineConfig
 from .draft_model import DraftModelProposer, sample_drafts
@@ -148,6 +149,8 @@ class ModelRunner:
                                  config.quantize_lm_head)
         layers = layers or LayerFactory()
         layers.quant_config = quant
+        if self.device.type == "cpu":  # freed activations stay in the heap (cpu_malloc.py)
+            tune_malloc()
         ops = load_ops() if self.device.type == "cpu" else None
         if ops is not None:  # fused norm/rotary/SiLU kernels (cpu_ops.py)
             layers = CpuKernelLayers(layers, ops)
