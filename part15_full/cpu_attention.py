@@ -11,8 +11,8 @@ gather (measured while choosing).
 How. `csrc/paged_attention_cpu.c` (read it: ~270 lines) walks each row's block table and reads each
 key and value once, with an online softmax; threads split the rows by the keys they read. It takes
 query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's verification
-rows), each with its own causal length; longer queries (prefill) stay on the gather + SDPA path,
-where the GEMM-shaped work suits SDPA. The same library stores the step's new K/V rows in their
+rows), each with its own causal length, and a longer query (prefill) while its sequence is short
+(uses_kernel); long prefills stay on the gather + SDPA path, where the GEMM-shaped work suits SDPA. The same library stores the step's new K/V rows in their
 slots first (store_kv: one call for K and V, where torch took an index_copy_ each). fp32 or bf16.
 cpu_build.py compiles it once per machine; ctypes loads it.
 Without a compiler, or if the build fails, a warning says so and the torch path serves (the
@@ -43,7 +43,14 @@ from .kv_cache_manager import cdiv
 from .paged_attention import _gather, reshape_and_cache_ref
 
 SOURCE = CSRC / "paged_attention_cpu.c"
-SHORT_QUERY = 8  # queries of up to this many tokens go through the kernel
+SHORT_QUERY = 8  # queries of up to this many tokens always go through the kernel
+# A longer query (a prefill) goes through it too while its sequence is at most this long. Each of
+# its rows reads the keys again, row by row, where SDPA takes them as a matrix: on short sequences
+# the kernel still costs less than gathering them for SDPA, on long ones more. Alone, fresh
+# prefills on the Zen 4 course machine crossed over at about 180 keys in bf16 (every row widens
+# the blocks again) and 740 in fp32; in the engine, where a step's prefills share one kernel call
+# (SDPA takes them one by one), the held-out workload's prompts of up to 200 tokens all gained.
+PREFILL_MAX_LEN = {torch.float32: 640, torch.bfloat16: 256}
 ENABLED = os.environ.get("VLLM_COURSE_CPU_ATTENTION", "1") != "0"
 logger = logging.getLogger(__name__)
 
@@ -79,20 +86,25 @@ _UNRECORDED = contextlib.nullcontext()
 class _Plan:
     """The rows of one step as the kernel takes them, worked out on the first layer."""
     tables: torch.Tensor  # the block tables, int32, contiguous
-    row_idx: torch.Tensor  # [R] int32: the q/out row of each short-query token
+    row_idx: torch.Tensor  # [R] int32: the q/out row of each token the kernel attends
     row_seq: torch.Tensor  # [R] int32: its sequence
     row_len: torch.Tensor  # [R] int32: the keys it sees (causal)
-    long: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, seq_len, blocks): via SDPA
+    long: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, seq_len, blocks): long prefills, via SDPA
     slots: torch.Tensor  # the slot mapping, int64, contiguous (-1: a padding token)
 
 
-def _plan(metadata: PagedAttentionMetadata, block_size: int) -> _Plan:
+def uses_kernel(q_len: int, seq_len: int, dtype: torch.dtype) -> bool:
+    """Whether a sequence's query rows of a step go through the kernel (else gather + SDPA)."""
+    return q_len <= SHORT_QUERY or seq_len <= PREFILL_MAX_LEN.get(dtype, 0)
+
+
+def _plan(metadata: PagedAttentionMetadata, block_size: int, dtype: torch.dtype) -> _Plan:
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     rows, seqs, lens, long = [], [], [], []
     for i, (start, end, seq_len) in enumerate(zip(starts, starts[1:], seq_lens)):
         q_len = end - start
-        if q_len > SHORT_QUERY:
+        if not uses_kernel(q_len, seq_len, dtype):
             long.append((start, q_len, seq_len, metadata.block_tables[i, :cdiv(seq_len, block_size)].long()))
             continue
         context = seq_len - q_len  # tokens cached before this step's
@@ -128,7 +140,7 @@ class CpuPagedAttention:
         """q [T, H, D], k/v [T, KV, D] as PagedAttention.forward takes them -> [T, H, D]."""
         block_size = k_cache.shape[1]
         if metadata is not self._metadata:
-            self._metadata, self._plan = metadata, _plan(metadata, block_size)
+            self._metadata, self._plan = metadata, _plan(metadata, block_size, q.dtype)
         plan, bf16 = self._plan, q.dtype == torch.bfloat16
         heads_packed = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
         num_slots = k_cache.shape[0] * block_size

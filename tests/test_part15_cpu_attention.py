@@ -16,13 +16,14 @@ from part15_full.paged_attention import PagedAttention, paged_attention_ref, res
 from test_paged_kernels import ATOL, CASES, Case, dense_attention, make_batch, max_err_vs_dense, run_backend_steps
 
 # Beyond part 03's cases: decode rows hundreds of tokens long (many blocks, the online softmax
-# rescaling across them), speculative-decoding-shaped queries (2-8 new tokens on a context) and a
-# query just over SHORT_QUERY (the SDPA path) in one batch; head sizes the kernel compiles as
+# rescaling across them), speculative-decoding-shaped queries (2-8 new tokens on a context), a
+# prefill just over SHORT_QUERY on a short sequence (through the kernel) and a prefill chunk on a
+# sequence past PREFILL_MAX_LEN in either type (the SDPA path) in one batch; head sizes the kernel compiles as
 # constants (64, 128) and ones it does not, with and without a remainder past its 8-float vectors;
 # each of those in bf16 too (a bf16 pool, widened as the kernel loads it).
 SHAPES = {
     "smollm9-3_d64_bs16_long_and_spec": Case(9, 3, 64, 16, ((300, 1), (129, 1), (47, 1), (200, 8),
-                                                            (64, 9), (31, 2), (2, 2))),
+                                                            (64, 9), (31, 2), (2, 2), (700, 20))),
     "gqa8-2_d128_bs32": Case(8, 2, 128, 32, ((70, 1), (33, 3), (40, 40))),
     "gqa6-2_d20_bs8": Case(6, 2, 20, 8, ((45, 1), (19, 4), (6, 6))),
     "mqa3-1_d5_bs4": Case(3, 1, 5, 4, ((23, 1), (7, 2))),
@@ -37,8 +38,8 @@ KERNEL_CASES = {
 def assert_matches_dense(out, batch, case):
     """fp32: within 1e-4 of float64 attention. bf16: the kernel sums in fp32 and rounds once, where
     it stores, so each of its outputs is within one bf16 rounding (half a step: at most 2^-8 of its
-    size) of float64 attention over the same bf16 inputs, plus fp32's sums; queries longer than
-    SHORT_QUERY go through torch's bf16 SDPA, which rounds at every op (part 03's bf16 bound)."""
+    size) of float64 attention over the same bf16 inputs, plus fp32's sums; the long prefills that
+    go through torch's bf16 SDPA round at every op (part 03's bf16 bound)."""
     if case.dtype == torch.float32:
         assert max_err_vs_dense(out, batch, case) < 1e-4
         return
@@ -48,7 +49,7 @@ def assert_matches_dense(out, batch, case):
         want = dense_attention(batch["q"][start:start + q_len], batch["dense_k"][i], batch["dense_v"][i],
                                batch["scale"])
         got = out[start:start + q_len].double()
-        if q_len <= cpu_attention.SHORT_QUERY:
+        if cpu_attention.uses_kernel(q_len, seq_len, case.dtype):
             torch.testing.assert_close(got, want, rtol=2 ** -8, atol=1e-5)
         else:
             assert (got - want).abs().max() < ATOL[torch.bfloat16]
@@ -101,7 +102,8 @@ def test_the_backend_uses_the_kernel_on_cpu_through_engine_like_steps():
 
 
 def test_decode_reads_the_blocks_in_place(kernel, monkeypatch):
-    """Short queries never gather; a long one still does (SDPA over its gathered context)."""
+    """Short queries and short prefills never gather; a long prefill still does (SDPA over its
+    gathered context)."""
     gathers = []
     real_gather = cpu_attention._gather
     monkeypatch.setattr(cpu_attention, "_gather", lambda *a: gathers.append(a) or real_gather(*a))
@@ -110,7 +112,7 @@ def test_decode_reads_the_blocks_in_place(kernel, monkeypatch):
         batch = make_batch(case)
         kernel.forward(batch["q"], batch["k"], batch["v"], batch["k_cache"], batch["v_cache"],
                        batch["metadata"], batch["scale"])
-        assert len(gathers) == expected, name  # the q_len-9 sequence: one gather for K, one for V
+        assert len(gathers) == expected, name  # the 700-token sequence: one gather for K, one for V
         gathers.clear()
 
 
