@@ -8,13 +8,14 @@ the time, next to the GEMMs. vLLM's CPU build has C++ kernels for this; torch ha
 a block table, and Inductor's code for the same maths, written in torch, was slower than the
 gather (measured while choosing).
 
-How. `csrc/paged_attention_cpu.c` (read it: ~270 lines) walks each row's block table and reads each
+How. `csrc/paged_attention_cpu.c` (read it: ~330 lines) walks each row's block table and reads each
 key and value once, with an online softmax; threads split the rows by the keys they read. It takes
 query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's verification
 rows), each with its own causal length, and a longer query (prefill) while its sequence is short
-(uses_kernel); long prefills stay on the gather + SDPA path, where the GEMM-shaped work suits SDPA. The same library stores the step's new K/V rows in their
-slots first (store_kv: one call for K and V, where torch took an index_copy_ each). fp32 or bf16.
-cpu_build.py compiles it once per machine; ctypes loads it.
+(uses_kernel); long prefills stay on the gather + SDPA path, where the GEMM-shaped work suits SDPA.
+The same library stores the step's new K/V rows in their slots first (store_kv: one call for K
+and V, where torch took an index_copy_ each). fp32 or bf16. cpu_build.py compiles it once per
+machine; ctypes loads it.
 Without a compiler, or if the build fails, a warning says so and the torch path serves (the
 engine's results are the same, to float rounding).
 
@@ -89,7 +90,7 @@ class _Plan:
     row_idx: torch.Tensor  # [R] int32: the q/out row of each token the kernel attends
     row_seq: torch.Tensor  # [R] int32: its sequence
     row_len: torch.Tensor  # [R] int32: the keys it sees (causal)
-    long: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, seq_len, blocks): long prefills, via SDPA
+    long: list[tuple[int, int, int, torch.Tensor]]  # long prefills, via SDPA: (first row, q_len, seq_len, blocks)
     slots: torch.Tensor  # the slot mapping, int64, contiguous (-1: a padding token)
 
 

@@ -149,9 +149,10 @@ class ModelRunner:
                                  config.quantize_lm_head)
         layers = layers or LayerFactory()
         layers.quant_config = quant
-        if self.device.type == "cpu":  # freed activations stay in the heap (cpu_malloc.py)
-            tune_malloc()
-        ops = load_ops() if self.device.type == "cpu" else None
+        ops = None
+        if self.device.type == "cpu":
+            tune_malloc()  # freed activations stay in the heap (cpu_malloc.py)
+            ops = load_ops()
         if ops is not None:  # fused norm/rotary/SiLU kernels (cpu_ops.py)
             layers = CpuKernelLayers(layers, ops)
         self.model = get_model(self.model_path, self.device, self.dtype, self.max_model_len, config.load_format,

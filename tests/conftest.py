@@ -250,6 +250,9 @@ def free_port() -> int:
     return free_port_run(1)
 
 
+_next_port: int | None = None  # free_port_run's walk through this worker's slice
+
+
 def free_port_run(n: int) -> int:
     """The first of n consecutive free loopback ports, for a launcher that binds the ports after the
     one it is given (part 09's --master-port: +1 and +2; part 10's RPC port and part 13's --kv-port:
@@ -294,8 +297,6 @@ def free_port_run(n: int) -> int:
                 s.close()
     raise RuntimeError(f"no {n} consecutive free ports in {first}-{last}")
 
-
-_next_port: int | None = None
 
 
 @contextlib.contextmanager

@@ -18,8 +18,9 @@ from test_paged_kernels import ATOL, CASES, Case, dense_attention, make_batch, m
 # Beyond part 03's cases: decode rows hundreds of tokens long (many blocks, the online softmax
 # rescaling across them), speculative-decoding-shaped queries (2-8 new tokens on a context), a
 # prefill just over SHORT_QUERY on a short sequence (through the kernel) and a prefill chunk on a
-# sequence past PREFILL_MAX_LEN in either type (the SDPA path) in one batch; head sizes the kernel compiles as
-# constants (64, 128) and ones it does not, with and without a remainder past its 8-float vectors;
+# sequence past PREFILL_MAX_LEN in either type (the SDPA path) in one batch; head sizes the kernel
+# compiles as constants (64, 128) and ones it does not, with and without a remainder past its
+# 8-float vectors;
 # each of those in bf16 too (a bf16 pool, widened as the kernel loads it).
 SHAPES = {
     "smollm9-3_d64_bs16_long_and_spec": Case(9, 3, 64, 16, ((300, 1), (129, 1), (47, 1), (200, 8),
