@@ -74,13 +74,19 @@ class LinearMethodBase(QuantizeMethodBase):
 CPU_PREPACK = os.environ.get("VLLM_COURSE_CPU_PREPACK", "1") != "0"
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX. (oneDNN's own check, `_is_mkldnn_bf16_supported`, also says yes on plain
+    AVX-512, where it emulates bf16; there, on a Cascade Lake Xeon, its packed bf16 GEMM gave a row
+    a different result alone than beside another row.)"""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def cpu_prepack_supported(weight: torch.Tensor) -> bool:
-    """fp32; bf16 only where the CPU multiplies bf16 natively (AVX512-BF16, AMX): elsewhere oneDNN
-    emulates it and the packed path has not been measured to pay."""
+    """fp32; bf16 only where the CPU multiplies bf16 natively: elsewhere oneDNN emulates it, and
+    the packed path has not been measured to pay nor kept a row's result batch-invariant."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
-                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_has_native_bf16())
 
 
 class UnquantizedLinearMethod(LinearMethodBase):

@@ -168,7 +168,7 @@ def test_cpu_linears_run_on_prepacked_weights_batch_invariant(tmp_path, monkeypa
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN (mkldnn) build")
-    native = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native = dtype == torch.float32 or layers.cpu_has_native_bf16()
     assert layers.cpu_prepack_supported(torch.zeros(1, dtype=dtype)) == native
     if not native:
         pytest.skip("this CPU has no native bf16: bf16 weights stay unpacked (asserted above)")

@@ -266,7 +266,7 @@ def test_the_engine_in_bf16_tracks_the_fp32_oracle(prompt_token_ids, fp32_oracle
     holds every part to on CUDA: through the bf16 kernels (attention, norm, rotary, SiLU), and with
     the weights prepacked for oneDNN where the CPU has native bf16."""
     from part15_full import LLM
-    from shared.layers import Linear
+    from shared.layers import Linear, cpu_has_native_bf16
 
     from conftest import assert_bf16_greedy_tracks, assert_bf16_teacher_forced
 
@@ -277,7 +277,7 @@ def test_the_engine_in_bf16_tracks_the_fp32_oracle(prompt_token_ids, fp32_oracle
         probe = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
         assert runner.attn.cpu_kernel.supports(probe, runner.attn.k_cache[0])
         linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        native = cpu_has_native_bf16()
         assert all((m.packed_weight is not None) == native for m in linears)
         assert_bf16_teacher_forced(llm, prompt_token_ids, fp32_oracle)
         assert_bf16_greedy_tracks(llm, prompt_token_ids, fp32_oracle)
