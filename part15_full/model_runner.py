@@ -32,6 +32,7 @@ from shared.sampler import SampledBatch, Sampler, SamplingRow
 from shared.weights import resolve_model_path
 
 from .compilation import compile_model, resolve_compilation_mode
+from .cpu_gemm import CpuGemmConfig, load_gemm
 from .cpu_malloc import tune_malloc
 from .cpu_ops import CpuKernelLayers, load_ops
 from .config import EngineConfig
@@ -148,11 +149,14 @@ class ModelRunner:
         quant = get_quant_config(config.quantization, self.model_path, cfg, config.quantization_group_size,
                                  config.quantize_lm_head)
         layers = layers or LayerFactory()
-        layers.quant_config = quant
         ops = None
         if self.device.type == "cpu":
             tune_malloc()  # freed activations stay in the heap (cpu_malloc.py)
             ops = load_ops()
+            gemm = load_gemm() if quant is None and self.dtype == torch.float32 else None
+            if gemm is not None:  # the linear layers' GEMM in our kernel, not oneDNN (cpu_gemm.py)
+                quant = CpuGemmConfig(gemm)
+        layers.quant_config = quant
         if ops is not None:  # fused norm/rotary/SiLU kernels (cpu_ops.py)
             layers = CpuKernelLayers(layers, ops)
         self.model = get_model(self.model_path, self.device, self.dtype, self.max_model_len, config.load_format,

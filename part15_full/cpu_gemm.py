@@ -1,0 +1,130 @@
+"""The linear layers' GEMM on a CPU in fp32: our own kernel (csrc/gemm_cpu.c) in place of oneDNN.
+
+Why. Part 15's profile on the held-out workload has ~80% of its time in the linear layers, and most
+of a decode step's share is a few rows against a weight read from DRAM, where oneDNN's kernels run
+at half the machine's FLOP rate (shared/layers.py prepacks for them). The kernel here streams each
+weight panel once for all of a step's rows and asks for the next panel while it works on this one:
+on a 2-core Cascade Lake Xeon the 30 layers' projections ran 1.4-1.6x faster at 1-32 rows, as fast
+at 1024 (the lesson has the table).
+
+How. Each linear layer gets its quantize method from the factory's quant config (shared/layers.py),
+as part 14's weight formats do; with no quantization asked, a CPU model runner hands in
+`CpuGemmConfig`, whose method keeps the dense weight (loaders, the tied embedding and tests read
+it) and, after loading, a copy packed for the kernel in place of oneDNN's. Another dtype, a layer
+the kernel cannot take and torch.compile's tracing fall back to the dense method. A row's result
+does not depend on how many rows share the call (the kernel sums every output in one order), so a
+seeded request samples the same alone and in a batch, as with oneDNN.
+
+Which build. The kernel is compiled for this CPU (-march=native, cpu_build.py); it is the default
+where that build has AVX-512 (measured), and oneDNN stays the default elsewhere (AVX2: not measured
+against oneDNN on an AVX2 CPU). VLLM_COURSE_CPU_GEMM=0 turns it off, =1 on whatever the build.
+
+In vLLM v0.33.0: vllm/model_executor/layers/utils.py, `dispatch_cpu_unquantized_gemm`, called from
+the unquantized linear method's process_weights_after_loading on a CPU, picks per layer between a
+oneDNN handle made once per weight and, for small weights, sgl-kernel's packed-weight GEMM."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shared.layers import Linear, QuantizationConfig, UnquantizedLinearMethod
+
+from .cpu_build import CSRC, build
+
+SOURCE = CSRC / "gemm_cpu.c"
+SWITCH = os.environ.get("VLLM_COURSE_CPU_GEMM", "auto")  # auto: on where the build has AVX-512
+logger = logging.getLogger(__name__)
+
+
+def bind(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gemm.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i32]
+    lib.gemm.restype = None
+    lib.gemm_pack_weight.argtypes = [ptr, i64, i64, ptr]
+    lib.gemm_pack_weight.restype = None
+    lib.gemm_panel_width.restype = lib.gemm_threaded.restype = i32
+    return lib
+
+
+@lru_cache(maxsize=None)
+def load_gemm() -> ctypes.CDLL | None:
+    """The kernel's library when the engine should use it (see the module's docstring), or None."""
+    if SWITCH == "0":
+        return None
+    path = build(SOURCE)
+    if path is None:
+        logger.warning("CPU GEMM kernel: not built, using oneDNN")
+        return None
+    lib = bind(path)
+    wide = lib.gemm_panel_width() >= 32  # AVX-512: two 16-float vectors a panel
+    if SWITCH != "1" and not (wide and lib.gemm_threaded()):
+        return None
+    return lib
+
+
+def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] fp32 -> the kernel's panels, [ceil(N / NR) * K * NR] floats."""
+    n, k = weight.shape
+    nr = lib.gemm_panel_width()
+    weight = weight.detach().contiguous()
+    packed = torch.empty((n + nr - 1) // nr * k * nr, dtype=torch.float32)
+    lib.gemm_pack_weight(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """x [..., K] fp32 @ W^T (+ bias) with W packed by pack_weight -> [..., n]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if rows.shape[0]:
+        lib.gemm(rows.shape[0], n, rows.shape[1], rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                 out.data_ptr(), n, None if bias is None else bias.data_ptr(), torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
+
+
+class CpuGemmLinearMethod(UnquantizedLinearMethod):
+    """The dense method, with an fp32 CPU weight packed for the kernel (`layer.gemm_weight`)
+    instead of for oneDNN."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight
+        layer.gemm_weight = None
+        bias = getattr(layer, "bias", None)
+        if w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and (
+                bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
+            layer.packed_weight = None  # no oneDNN copy beside ours
+            layer.gemm_weight = pack_weight(self.lib, w)
+        else:
+            super().process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias=None):
+        packed = getattr(layer, "gemm_weight", None)
+        if packed is None or x.dtype != torch.float32 or torch.compiler.is_compiling():
+            return super().apply(layer, x, bias)
+        return gemm(self.lib, x, packed, layer.weight.shape[0], bias)
+
+
+class CpuGemmConfig(QuantizationConfig):
+    """No quantization, every linear layer on the CPU GEMM kernel (the model runner's choice)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def get_name(self) -> str:
+        return "cpu_gemm"
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> CpuGemmLinearMethod | None:
+        return CpuGemmLinearMethod(self.lib) if isinstance(layer, Linear) else None

@@ -1,0 +1,186 @@
+"""Part 15's fp32 GEMM kernel for the CPU (csrc/gemm_cpu.c, cpu_gemm.py): each output within the
+rounding error bound of a K-term sum, whatever the shape (off the kernel's row blocks and column
+panels, chunked rows, a bias); a row's result the same bit for bit alone, with other rows or on
+one thread; the AVX2 and plain builds; the engine putting every linear layer on it, keeping HF's
+greedy tokens (a bias too), and what it leaves to oneDNN (bf16, quantized weights, the switch)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import part15_full.cpu_build as cpu_build
+import part15_full.cpu_gemm as cpu_gemm
+from part15_full.cpu_gemm import CpuGemmLinearMethod
+from shared.layers import Linear, UnquantizedLinearMethod
+from shared.weights import load_model
+
+from conftest import greedy, save_tiny
+from test_layer_seam import logits, tiny_checkpoint
+
+U = 2.0 ** -24  # fp32's unit roundoff
+
+
+@pytest.fixture(scope="module")
+def lib():
+    built = cpu_build.build(cpu_gemm.SOURCE)
+    assert built is not None, "no C compiler here? the set-up installs none; cc must be on PATH"
+    return cpu_gemm.bind(built)
+
+
+def run(lib, x, w, bias=None, threads=None):
+    packed = cpu_gemm.pack_weight(lib, w)
+    if threads is None:
+        return cpu_gemm.gemm(lib, x, packed, w.shape[0], bias)
+    out = torch.empty(x.shape[0], w.shape[0])
+    lib.gemm(x.shape[0], w.shape[0], x.shape[1], x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(),
+             w.shape[0], None if bias is None else bias.data_ptr(), threads)
+    return out
+
+
+def assert_within_bound(got, x, w, bias=None):
+    """|got - exact| <= gamma_{K+1} (|x| |w|^T + |b|) per element: the bound of any order of a
+    (K+1)-term float sum (Higham, 3.1), so it cannot fail by luck, and a wrong product breaks it."""
+    k = x.shape[1] + 1
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        exact, scale = exact + bias.double(), scale + bias.double().abs()
+    gamma = k * U / (1 - k * U)
+    excess = (got.double() - exact).abs() - gamma * scale
+    assert excess.max().item() <= 0, excess.max().item()
+
+
+# Rows: one; a decode step's (not a multiple of the row block); rows over a chunk (K=1536 chunks
+# at 84 rows). Columns: under one panel, off the panel width, a model's. K: odd, small, a model's.
+@pytest.mark.parametrize("m,n,k,bias", [(1, 40, 7, True), (13, 96, 576, False), (37, 100, 33, True),
+                                        (300, 960, 576, False), (200, 70, 1536, True)])
+def test_the_kernel_is_within_the_rounding_bound_of_the_exact_product(lib, m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 7 + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = run(lib, x, w, b)
+    assert got.shape == (m, n)
+    assert_within_bound(got, x, w, b)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads(lib):
+    """Every output is summed in one order (k = 0..K-1), whatever the row count, the blocks and
+    chunks rows are cut into, or the thread a panel lands on."""
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(200, 1536, generator=g), torch.randn(160, 1536, generator=g), torch.randn(160, generator=g)
+    full = run(lib, x, w, b)
+    for rows in (1, 5, 12, 13, 85, 199):
+        assert torch.equal(run(lib, x[:rows], w, b), full[:rows]), rows
+        assert torch.equal(run(lib, x[rows - 1:rows], w, b), full[rows - 1:rows]), rows
+    assert torch.equal(run(lib, x, w, b, threads=1), full)
+    assert torch.equal(run(lib, x, w, b, threads=2), full)
+
+
+def test_strided_and_batched_inputs_and_no_rows(lib):
+    g = torch.Generator().manual_seed(2)
+    wide, w = torch.randn(9, 80, generator=g), torch.randn(33, 64, generator=g)
+    x = wide[:, :64]  # rows 80 floats apart
+    assert torch.equal(run(lib, x, w), run(lib, x.contiguous(), w))
+    x3 = torch.randn(2, 5, 64, generator=g)
+    assert torch.equal(run(lib, x3, w), run(lib, x3.reshape(10, 64), w).view(2, 5, 33))
+    assert run(lib, torch.empty(0, 64), w).shape == (0, 33)
+
+
+@pytest.mark.parametrize("flags", [["-O3", "-march=haswell", "-fopenmp"], ["-O2"]], ids=["avx2", "plain"])
+def test_the_avx2_and_plain_builds(flags, tmp_path, monkeypatch):
+    """The narrower micro-kernels (6 rows x 16 on AVX2, 4 x 8 without -march): the same bound and
+    row invariance. AVX2 only where this CPU runs it."""
+    if flags[1:2] == ["-march=haswell"] and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_FLAG_SETS", (flags,))
+    plain = cpu_gemm.bind(cpu_build.build(cpu_gemm.SOURCE))
+    assert plain.gemm_panel_width() == (16 if "-march=haswell" in flags else 8)
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(40, 300, generator=g), torch.randn(50, 300, generator=g), torch.randn(50, generator=g)
+    full = run(plain, x, w, b)
+    assert_within_bound(full, x, w, b)
+    for rows in (1, 7, 13):
+        assert torch.equal(run(plain, x[:rows], w, b), full[:rows])
+
+
+@pytest.fixture
+def forced_on(monkeypatch):
+    """The kernel on whatever the build (the default is on with AVX-512 only)."""
+    monkeypatch.setattr(cpu_gemm, "SWITCH", "1")
+    cpu_gemm.load_gemm.cache_clear()
+    yield
+    cpu_gemm.load_gemm.cache_clear()
+
+
+def runner(path, **kw):
+    from part15_full.config import EngineConfig
+    from part15_full.model_runner import ModelRunner
+
+    return ModelRunner(EngineConfig(model=str(path), device="cpu", kv_cache_memory_mb=4, **kw))
+
+
+def linears(model):
+    found = [m for m in model.modules() if isinstance(m, Linear)]
+    assert found
+    return found
+
+
+def test_the_engine_puts_every_linear_layer_on_it_and_keeps_the_logits(tmp_path, forced_on):
+    path = tiny_checkpoint(tmp_path)
+    model = runner(path, dtype="float32").model
+    for m in linears(model):
+        assert isinstance(m.quant_method, CpuGemmLinearMethod)
+        assert m.gemm_weight is not None and m.packed_weight is None  # ours instead of oneDNN's
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    dense = load_model(path, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(logits(model, ids), logits(dense, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_quantized_and_switched_off_layers_stay_on_onednn(tmp_path, forced_on, monkeypatch):
+    path = tiny_checkpoint(tmp_path)
+    for kw in (dict(dtype="bfloat16"), dict(dtype="float32", quantization="int8")):
+        assert not any(isinstance(m.quant_method, CpuGemmLinearMethod) for m in linears(runner(path, **kw).model))
+    monkeypatch.setattr(cpu_gemm, "SWITCH", "0")
+    cpu_gemm.load_gemm.cache_clear()
+    assert cpu_gemm.load_gemm() is None
+    for m in linears(runner(path, dtype="float32").model):
+        assert type(m.quant_method) is UnquantizedLinearMethod and m.packed_weight is not None
+
+
+def test_the_default_follows_the_build(tmp_path, monkeypatch):
+    """auto: on where the kernel was built with AVX-512 (and OpenMP), oneDNN elsewhere."""
+    monkeypatch.setattr(cpu_gemm, "SWITCH", "auto")
+    cpu_gemm.load_gemm.cache_clear()
+    try:
+        lib = cpu_gemm.bind(cpu_build.build(cpu_gemm.SOURCE))
+        expected = lib.gemm_panel_width() == 32 and lib.gemm_threaded() == 1
+        assert (cpu_gemm.load_gemm() is not None) == expected
+        on = any(isinstance(m.quant_method, CpuGemmLinearMethod)
+                 for m in linears(runner(tiny_checkpoint(tmp_path), dtype="float32").model))
+        assert on == expected
+    finally:
+        cpu_gemm.load_gemm.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_engine_on_the_kernel_keeps_hf_greedy(tmp_path, forced_on, family):
+    """Greedy tokens equal HF's (fp32, CPU); Qwen2's q/k/v projections carry a bias."""
+    import transformers
+    from part15_full import LLM
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = (transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config)(**common)
+    path = save_tiny(tmp_path / family, config, seed=5, scale=0.3)
+    prompts = [[1, 5, 9, 33, 2, 77], [1, 100, 3], list(range(1, 50))]
+    with LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory_mb=4) as engine:
+        assert all(isinstance(m.quant_method, CpuGemmLinearMethod)
+                   for m in linears(engine.engine.executor.runner.model))
+        got = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy(12))]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for ids, tokens in zip(prompts, got):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert list(tokens) == ref[0, len(ids):].tolist()
