@@ -329,6 +329,21 @@ def greedy(n: int, **kw):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
+def hf_greedy_tokens(path, prompts, n: int) -> list[list[int]]:
+    """HF transformers' fp32 greedy continuation of each prompt (n tokens, no EOS) from the
+    checkpoint at `path`, on the CPU: the oracle for a tiny checkpoint a test saved."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(ref[0, len(ids):].tolist())
+    return out
+
+
 @pytest.fixture(scope="session")
 def fp32_oracle(prompt_token_ids, hf_greedy, hf_model):
     """Per prompt: HF's fp32 greedy continuation (NEW_TOKENS), and HF's fp32 logits at each of its

@@ -14,7 +14,7 @@ from part15_full.cpu_gemm import CpuGemmLinearMethod
 from shared.layers import Linear, UnquantizedLinearMethod
 from shared.weights import load_model
 
-from conftest import greedy, save_tiny
+from conftest import greedy, hf_greedy_tokens, save_tiny
 from test_layer_seam import logits, tiny_checkpoint
 
 U = 2.0 ** -24  # fp32's unit roundoff
@@ -178,9 +178,4 @@ def test_the_engine_on_the_kernel_keeps_hf_greedy(tmp_path, forced_on, family):
         assert all(isinstance(m.quant_method, CpuGemmLinearMethod)
                    for m in linears(engine.engine.executor.runner.model))
         got = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy(12))]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for ids, tokens in zip(prompts, got):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert list(tokens) == ref[0, len(ids):].tolist()
+    assert [list(t) for t in got] == hf_greedy_tokens(path, prompts, 12)

@@ -302,7 +302,7 @@ def test_an_moe_model_on_the_kernels_keeps_hf_greedy(tmp_path):
     import transformers
     from part15_full import LLM
 
-    from conftest import greedy
+    from conftest import greedy, hf_greedy_tokens
     from test_part11_ep import CONFIGS, PROMPTS
 
     cls, kw = CONFIGS["qwen2_moe"]
@@ -315,12 +315,7 @@ def test_an_moe_model_on_the_kernels_keeps_hf_greedy(tmp_path):
     assert isinstance(model.layers[0].mlp.shared_expert.act, CpuSiluAndMul)
     with LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory_mb=4) as engine:
         got = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, greedy(12))]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for ids, tokens in zip(PROMPTS, got):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert tokens == ref[0, len(ids):].tolist()
+    assert [list(t) for t in got] == hf_greedy_tokens(path, PROMPTS, 12)
 
 
 def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
