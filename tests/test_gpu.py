@@ -17,6 +17,8 @@
     one GPU) equals HF's greedy in fp32, and shutdown leaves no worker behind.
 (f) MoE (part 11 on) on CUDA: a tiny Mixtral through the Triton grouped GEMM equals HF's greedy in
     fp32, and the kernel in bf16 stays within bf16 tolerance of the fp32 reference.
+(g) Async scheduling's overlap (part 05 on): a step's sampled tokens reach the host without
+    waiting for the GPU work queued after them (the next step's kernels).
 
 Parts are discovered with shared.course.stages(), so a new part is in this tier at once."""
 from __future__ import annotations
@@ -249,3 +251,32 @@ def test_moe_through_triton_on_cuda(part, no_tf32, tmp_path):
     want = fused.experts_reference(x, w13, w2, ids, weights)
     got = kernels.fused_experts(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), ids, weights).float()
     assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+# ---- (g) the sampler's results reach the host without waiting for later steps -------------
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_sampled_tokens_reach_the_host_while_later_work_runs(logprobs):
+    """Part 05's engine launches step N+1 and only then reads step N's tokens. The read must wait
+    for step N alone: here the "next step" is a second of GPU sleep queued after sampling, and
+    reading the tokens must come back while it still runs (a .tolist() on the stream would wait
+    for it: a wrong implementation fails this whatever the timing)."""
+    from shared.sampler import Sampler, SamplingRow
+    from shared.sampling_params import SamplingParams
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(6, 500, device="cuda", generator=g)
+    rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=logprobs)) for _ in range(6)]
+    batch = Sampler().sample(logits, rows)
+    torch.cuda._sleep(2_000_000_000)  # about a second at the H100's clock: the next step's kernels
+    later = torch.cuda.Event()
+    later.record()
+    out = batch.to_output()
+    still_running = not later.query()
+    torch.cuda.synchronize()
+    assert still_running
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    if logprobs is not None:
+        want = logits.log_softmax(dim=-1).max(dim=-1).values.tolist()
+        assert out.logprobs == pytest.approx(want, abs=1e-5) and out.ranks == [1] * 6
+        assert all(len(t) == 2 for t in out.top_logprobs)
