@@ -37,6 +37,7 @@ from .cpu_malloc import tune_malloc
 from .cpu_ops import CpuKernelLayers, load_ops
 from .config import EngineConfig
 from .draft_model import DraftModelProposer, sample_drafts
+from .flat_forward import build_flat_forward
 from .kv_cache_manager import num_blocks_for_budget
 from .model_loader import get_model
 from .quantization import get_quant_config
@@ -175,6 +176,8 @@ class ModelRunner:
         # Part 15: torch.compile of the model, attention left out of the graph (compilation.py).
         self.compilation_mode = resolve_compilation_mode(config.compilation_mode, config.enforce_eager, self.device)
         compile_model(self.model, self.attn, self.compilation_mode)
+        # On a CPU, eager: the same forward without the modules' Python between kernels (flat_forward.py).
+        self.flat_forward = build_flat_forward(self.model, self.device)
         self.kv_transfer_config = resolve_kv_transfer_config(config)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -303,7 +306,7 @@ class ModelRunner:
             input_ids[inp.placeholder_slots] = self.prev_sampled_token_ids[inp.placeholder_prev_rows]
         draft_probs = self._propose_on_device(inp) if inp.spec and inp.spec.draft_passes else None
         with set_forward_context(self.attn, inp.metadata):
-            hidden = self.model(input_ids, inp.positions)
+            hidden = (self.flat_forward or self.model)(input_ids, inp.positions)
         if inp.spec is not None and inp.rows:  # verify: 1..k+1 tokens per sequence
             spec = inp.spec
             logits = self._constrained(self.model.compute_logits(hidden[inp.logits_indices]), inp)

@@ -1,0 +1,123 @@
+"""The model's forward on a CPU as one flat loop of calls, with the modules' Python taken out.
+
+Why. A decode step makes the same few hundred calls whatever the batch: per layer two norms, four
+projections, the rotary embedding, attention and SiLU, each reached through nn.Module's __call__,
+attribute lookups and its wrapper's checks. On a GPU, CUDA graphs replay a step's launches without
+any of that; on a CPU there is nothing to replay, and the calls are the host's own time. Measured
+on the course's Cascade Lake Xeon (lesson 15): SmolLM2's 30 layers at 64 wide, so that the
+arithmetic costs next to nothing, decoded one token in 17.9 ms, most of it Python around the
+kernels. A real decode step of 80-133 ms pays the same.
+
+How. After loading, `build_flat_forward` checks that the model is the plain Llama decoder whose
+forward this file repeats (every layer a LlamaDecoderLayer with LlamaAttention and LlamaMLP, its
+linear layers running Linear.forward, no torch.compile), and collects for each layer the bound
+methods its modules would call. A linear layer on the CPU GEMM kernel (cpu_gemm.py) becomes one
+direct call of the kernel, its packed weight's address bound once. The loop makes the calls the
+modules make, in their order, through the same kernels, so the hidden states are the same bit for
+bit (tests/test_part15_flat_forward.py); only the Python between the kernels is gone. Anything else
+(tensor parallelism, MoE blocks, a compiled model, a GPU) keeps the modules.
+
+Built once after loading: weights changed later need a new one. Off-switch:
+VLLM_COURSE_FLAT_FORWARD=0.
+
+In vLLM v0.33.0: on a GPU, vllm/compilation/cuda_graph.py (CUDAGraphWrapper) replays captured
+steps; on a CPU vLLM compiles the model (vllm/compilation/), and Inductor's generated wrapper is
+such a flat function."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from shared.forward_context import get_forward_context
+from shared.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
+from shared.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+from .cpu_gemm import CpuGemmLinearMethod
+
+ENABLED = os.environ.get("VLLM_COURSE_FLAT_FORWARD", "1") != "0"
+
+
+def _linear(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [T, in] -> [T, out]: the layer's quantize method, or the GEMM kernel called directly."""
+    method, bias, packed = layer.quant_method, layer.bias, getattr(layer, "gemm_weight", None)
+    if not (isinstance(method, CpuGemmLinearMethod) and packed is not None):
+        apply = method.apply
+        return lambda x: apply(layer, x, bias)
+    n, k = layer.weight.shape
+    gemm, weight_at, bias_at = method.lib.gemm, packed.data_ptr(), None if bias is None else bias.data_ptr()
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        t = x.shape[0]
+        out = torch.empty((t, n), dtype=torch.float32)
+        if t:
+            gemm(t, n, k, x.data_ptr(), x.stride(0), weight_at, out.data_ptr(), n, bias_at, torch.get_num_threads())
+        return out
+
+    call.keep = (packed, bias)  # the addresses bound above stay valid while this call exists
+    return call
+
+
+def _is_plain(model: torch.nn.Module) -> bool:
+    """The Llama decoder as shared/model.py writes it, eager, every projection a Linear.forward."""
+    if type(model) is not LlamaForCausalLM or "forward" in vars(model):  # compiled: forward replaced
+        return False
+    if type(model.embed_tokens).forward is not VocabEmbedding.forward or not isinstance(model.norm, RMSNorm):
+        return False
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP):
+            return False
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, Linear) and type(m).forward is Linear.forward for m in linears):
+            return False
+        if not (isinstance(layer.input_layernorm, RMSNorm) and isinstance(layer.post_attention_layernorm, RMSNorm)
+                and isinstance(attn.rotary, RotaryEmbedding) and isinstance(mlp.act, SiluAndMul)):
+            return False
+    return True
+
+
+class FlatForward:
+    """model(input_ids, positions) -> hidden states, the same, without the modules' calls."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.embed = model.embed_tokens.forward
+        self.norm = model.norm.forward
+        self.layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            heads_split = [attn.num_heads, attn.num_kv_heads, attn.num_kv_heads]
+            self.layers.append((layer.input_layernorm.forward, _linear(attn.qkv_proj), heads_split,
+                                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.forward,
+                                attn.layer_idx, _linear(attn.o_proj), layer.post_attention_layernorm.forward,
+                                _linear(mlp.gate_up_proj), mlp.act.forward, _linear(mlp.down_proj)))
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        attend, metadata = ctx.backend.forward, ctx.metadata
+        x, residual = self.embed(input_ids), None
+        for in_norm, qkv, sizes, heads, kv_heads, d, rotary, idx, o, post_norm, gate_up, act, down in self.layers:
+            # LlamaDecoderLayer.forward, with LlamaAttention's and LlamaMLP's inlined.
+            if residual is None:
+                residual, x = x, in_norm(x)
+            else:
+                x, residual = in_norm(x, residual)
+            t = x.shape[0]
+            # The modules' split and three views, as one op (the same views: one token's heads side by side).
+            q, k, v = torch.split_with_sizes(qkv(x).view(t, heads + 2 * kv_heads, d), sizes, dim=1)
+            q, k = rotary(positions, q, k)
+            x = o(attend(idx, q, k, v, metadata).reshape(t, heads * d))
+            x, residual = post_norm(x, residual)
+            x = down(act(gate_up(x)))
+        x, _ = self.norm(x, residual)
+        return x
+
+
+def build_flat_forward(model: torch.nn.Module, device: torch.device) -> FlatForward | None:
+    """A FlatForward of a loaded CPU model, or None (switched off, or not the plain decoder)."""
+    if not ENABLED or device.type != "cpu" or not _is_plain(model):
+        return None
+    return FlatForward(model)

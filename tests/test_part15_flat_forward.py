@@ -1,0 +1,74 @@
+"""Part 15's flat forward on a CPU (flat_forward.py): the modules' calls made from one loop, with
+the same kernels in the same order, so the hidden states are the modules' own bit for bit (fp32 on
+the GEMM kernel, a q/k/v bias, bf16, int8 weights); in the engine, tokens and logprobs equal to
+the modules' path and to HF's greedy; and no flat forward where it does not apply (the switch, a
+compiled model, MoE blocks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import part15_full.flat_forward as flat_forward
+from shared.attention import NoCacheAttention
+from shared.forward_context import set_forward_context
+
+from conftest import greedy, hf_greedy_tokens, save_tiny
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+
+
+def checkpoint(tmp_path, family="llama"):
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](**COMMON)
+    return save_tiny(tmp_path / family, config, seed=5, scale=0.3)
+
+
+def runner(path, **kw):
+    from part15_full.config import EngineConfig
+    from part15_full.model_runner import ModelRunner
+
+    return ModelRunner(EngineConfig(model=str(path), device="cpu", kv_cache_memory_mb=4, **kw))
+
+
+@pytest.mark.parametrize("family,kw", [("llama", dict(dtype="float32")), ("qwen2", dict(dtype="float32")),
+                                       ("llama", dict(dtype="bfloat16")),
+                                       ("llama", dict(dtype="float32", quantization="int8"))],
+                         ids=["fp32", "fp32-qkv-bias", "bf16", "int8"])
+def test_the_flat_forward_equals_the_modules_bit_for_bit(tmp_path, family, kw):
+    r = runner(checkpoint(tmp_path, family), **kw)
+    assert isinstance(r.flat_forward, flat_forward.FlatForward)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, COMMON["vocab_size"], (37,), generator=g)
+    positions = torch.arange(37)
+    with torch.no_grad(), set_forward_context(NoCacheAttention(r.model.config.head_dim ** -0.5)):
+        modules, flat = r.model(ids, positions), r.flat_forward(ids, positions)
+    assert flat.dtype == modules.dtype and torch.equal(flat, modules)
+
+
+def test_the_engine_keeps_its_tokens_logprobs_and_hf_greedy(tmp_path, monkeypatch):
+    """One continuous batch (prefills beside decodes) through the paged attention kernel, with the
+    flat forward and without it: the same tokens and the same logprobs, bit for bit, and HF's
+    greedy continuation."""
+    from part15_full import LLM
+
+    path = checkpoint(tmp_path)
+    prompts = [[1, 5, 9, 33, 2, 77], [1, 100, 3], list(range(1, 50)), [7] * 20]
+    results = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(flat_forward, "ENABLED", enabled)
+        with LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory_mb=4) as engine:
+            assert (engine.engine.executor.runner.flat_forward is not None) == enabled
+            outs = engine.generate(prompts, greedy(12, logprobs=2))
+        results[enabled] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+    assert results[True] == results[False]
+    assert [tokens for tokens, _ in results[True]] == hf_greedy_tokens(path, prompts, 12)
+
+
+def test_no_flat_forward_where_it_does_not_apply(tmp_path, monkeypatch):
+    path = checkpoint(tmp_path)
+    assert runner(path, compilation_mode="piecewise").flat_forward is None  # the compiled forward stays
+    mixtral = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    assert runner(save_tiny(tmp_path / "mixtral", mixtral, seed=3)).flat_forward is None  # MoE blocks
+    monkeypatch.setattr(flat_forward, "ENABLED", False)  # VLLM_COURSE_FLAT_FORWARD=0
+    assert runner(path).flat_forward is None
