@@ -82,14 +82,15 @@ def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
 def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
          ) -> torch.Tensor:
     """x [..., K] fp32 @ W^T (+ bias) with W packed by pack_weight -> [..., n]."""
-    rows = x.reshape(-1, x.shape[-1])
+    flat = x.dim() == 2  # the model's case: no reshape and view around the call (a few us each)
+    rows = x if flat else x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    out = torch.empty((rows.shape[0], n), dtype=torch.float32)
     if rows.shape[0]:
         lib.gemm(rows.shape[0], n, rows.shape[1], rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                  out.data_ptr(), n, None if bias is None else bias.data_ptr(), torch.get_num_threads())
-    return out.view(*x.shape[:-1], n)
+    return out if flat else out.view(*x.shape[:-1], n)
 
 
 class CpuGemmLinearMethod(UnquantizedLinearMethod):

@@ -12,7 +12,7 @@ How. After loading, `build_flat_forward` checks that the model is the plain Llam
 forward this file repeats (every layer a LlamaDecoderLayer with LlamaAttention and LlamaMLP, its
 linear layers running Linear.forward, no torch.compile), and collects for each layer the bound
 methods its modules would call. A linear layer on the CPU GEMM kernel (cpu_gemm.py) becomes one
-direct call of the kernel, its packed weight's address bound once. The loop makes the calls the
+direct call of the kernel (cpu_gemm.gemm), its weight bound once. The loop makes the calls the
 modules make, in their order, through the same kernels, so the hidden states are the same bit for
 bit (tests/test_part15_flat_forward.py); only the Python between the kernels is gone. Anything else
 (tensor parallelism, MoE blocks, a compiled model, a GPU) keeps the modules.
@@ -34,7 +34,7 @@ from shared.forward_context import get_forward_context
 from shared.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
 from shared.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
-from .cpu_gemm import CpuGemmLinearMethod
+from .cpu_gemm import CpuGemmLinearMethod, gemm
 
 ENABLED = os.environ.get("VLLM_COURSE_FLAT_FORWARD", "1") != "0"
 
@@ -42,23 +42,11 @@ ENABLED = os.environ.get("VLLM_COURSE_FLAT_FORWARD", "1") != "0"
 def _linear(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     """x [T, in] -> [T, out]: the layer's quantize method, or the GEMM kernel called directly."""
     method, bias, packed = layer.quant_method, layer.bias, getattr(layer, "gemm_weight", None)
-    if not (isinstance(method, CpuGemmLinearMethod) and packed is not None):
-        apply = method.apply
-        return lambda x: apply(layer, x, bias)
-    n, k = layer.weight.shape
-    gemm, weight_at, bias_at = method.lib.gemm, packed.data_ptr(), None if bias is None else bias.data_ptr()
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        t = x.shape[0]
-        out = torch.empty((t, n), dtype=torch.float32)
-        if t:
-            gemm(t, n, k, x.data_ptr(), x.stride(0), weight_at, out.data_ptr(), n, bias_at, torch.get_num_threads())
-        return out
-
-    call.keep = (packed, bias)  # the addresses bound above stay valid while this call exists
-    return call
+    if isinstance(method, CpuGemmLinearMethod) and packed is not None:
+        lib, n = method.lib, layer.weight.shape[0]
+        return lambda x: gemm(lib, x, packed, n, bias)
+    apply = method.apply
+    return lambda x: apply(layer, x, bias)
 
 
 def _is_plain(model: torch.nn.Module) -> bool:

@@ -14,6 +14,7 @@ from shared.attention import NoCacheAttention
 from shared.forward_context import set_forward_context
 
 from conftest import greedy, hf_greedy_tokens, save_tiny
+from test_part15_cpu_gemm import runner
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128)
@@ -22,13 +23,6 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_l
 def checkpoint(tmp_path, family="llama"):
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](**COMMON)
     return save_tiny(tmp_path / family, config, seed=5, scale=0.3)
-
-
-def runner(path, **kw):
-    from part15_full.config import EngineConfig
-    from part15_full.model_runner import ModelRunner
-
-    return ModelRunner(EngineConfig(model=str(path), device="cpu", kv_cache_memory_mb=4, **kw))
 
 
 @pytest.mark.parametrize("family,kw", [("llama", dict(dtype="float32")), ("qwen2", dict(dtype="float32")),
