@@ -8,18 +8,21 @@ the time, next to the GEMMs. vLLM's CPU build has C++ kernels for this; torch ha
 a block table, and Inductor's code for the same maths, written in torch, was slower than the
 gather (measured while choosing).
 
-How. `csrc/paged_attention_cpu.c` (read it: ~330 lines) walks each row's block table and reads each
-key and value once, with an online softmax; threads split the rows by the keys they read. It takes
+How. `csrc/paged_attention_cpu.c` (read it: ~350 lines) walks each row's block table and reads each
+key and value once, with an online softmax; threads split the rows by the work they do. It takes
 query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's verification
 rows), each with its own causal length, and a longer query (prefill) while its sequence is short
 (uses_kernel); long prefills stay on the gather + SDPA path, where the GEMM-shaped work suits SDPA.
+A prefill's rows go in tiles of a few rows that read each key once for the whole tile
+(`csrc/prefill_tiles.h`, ~190 lines); decode rows go one at a time.
 The same library stores the step's new K/V rows in their slots first (store_kv: one call for K
 and V, where torch took an index_copy_ each). fp32 or bf16. cpu_build.py compiles it once per
 machine; ctypes loads it.
 Without a compiler, or if the build fails, a warning says so and the torch path serves (the
 engine's results are the same, to float rounding).
 
-Off-switch: VLLM_COURSE_CPU_ATTENTION=0.
+Off-switches: VLLM_COURSE_CPU_ATTENTION=0 (the torch path), VLLM_COURSE_CPU_ATTENTION_TILES=0 (prefills
+row by row, as decode).
 
 In vLLM v0.33.0: vllm/v1/attention/backends/cpu_attn.py (CPUAttentionBackendImpl, calling
 ops.cpu_attn_reshape_and_cache and ops.cpu_attention_with_kv_cache), csrc/cpu/cpu_attn.cpp and
@@ -53,6 +56,7 @@ SHORT_QUERY = 8  # queries of up to this many tokens always go through the kerne
 # (SDPA takes them one by one), the held-out workload's prompts of up to 200 tokens all gained.
 PREFILL_MAX_LEN = {torch.float32: 640, torch.bfloat16: 256}
 ENABLED = os.environ.get("VLLM_COURSE_CPU_ATTENTION", "1") != "0"
+TILES = os.environ.get("VLLM_COURSE_CPU_ATTENTION_TILES", "1") != "0"
 logger = logging.getLogger(__name__)
 
 
@@ -73,7 +77,7 @@ def bind(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.paged_attention_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32,
-                                         ctypes.c_float, ptr, i64, i32, i32]
+                                         ctypes.c_float, ptr, i64, i32, i32, i32]
     lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
     for fn in (lib.paged_attention_rows, lib.store_kv):
         fn.restype = i32
@@ -124,6 +128,8 @@ class CpuPagedAttention:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        # A sequence with more query rows than this in a step is tiled (csrc/prefill_tiles.h).
+        self.short_run = SHORT_QUERY if TILES else 2 ** 31 - 1
         self._metadata = None  # the step whose plan is cached (the same object for every layer)
         self._plan: _Plan | None = None
 
@@ -165,7 +171,8 @@ class CpuPagedAttention:
                     q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), plan.tables.data_ptr(),
                     plan.tables.stride(0), plan.row_idx.data_ptr(), plan.row_seq.data_ptr(),
                     plan.row_len.data_ptr(), plan.row_idx.numel(), q.shape[1], k_cache.shape[2], q.shape[2],
-                    block_size, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(), bf16)
+                    block_size, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(), bf16,
+                    self.short_run)
             if status == -2:
                 raise MemoryError("CPU paged attention: no memory for the bf16 block buffers")
             assert status == 0, "shapes outside the kernel's buffers (supports() should have said)"

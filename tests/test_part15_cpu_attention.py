@@ -11,23 +11,27 @@ import torch
 
 import part15_full.cpu_attention as cpu_attention
 import part15_full.cpu_build as cpu_build
+from part15_full.attention_metadata import PagedAttentionMetadata
 from part15_full.paged_attention import PagedAttention, paged_attention_ref, reshape_and_cache_ref
 
 from test_paged_kernels import ATOL, CASES, Case, dense_attention, make_batch, max_err_vs_dense, run_backend_steps
 
 # Beyond part 03's cases: decode rows hundreds of tokens long (many blocks, the online softmax
 # rescaling across them), speculative-decoding-shaped queries (2-8 new tokens on a context), a
-# prefill just over SHORT_QUERY on a short sequence (through the kernel) and a prefill chunk on a
-# sequence past PREFILL_MAX_LEN in either type (the SDPA path) in one batch; head sizes the kernel
-# compiles as constants (64, 128) and ones it does not, with and without a remainder past its
-# 8-float vectors;
+# prefill just over SHORT_QUERY on a short sequence (through the kernel's tiles) and a prefill chunk
+# on a sequence past PREFILL_MAX_LEN in either type (the SDPA path) in one batch; head sizes the
+# kernel compiles as constants (64, 128) and ones it does not, with and without a remainder past
+# its 8-float (row kernel) and 16-float (tiles) vectors; tiles of 16 rows (MHA), 4 and 5 rows with
+# a shorter last one, and of one row (16 query heads on a KV head);
 # each of those in bf16 too (a bf16 pool, widened as the kernel loads it).
 SHAPES = {
     "smollm9-3_d64_bs16_long_and_spec": Case(9, 3, 64, 16, ((300, 1), (129, 1), (47, 1), (200, 8),
                                                             (64, 9), (31, 2), (2, 2), (700, 20))),
     "gqa8-2_d128_bs32": Case(8, 2, 128, 32, ((70, 1), (33, 3), (40, 40))),
-    "gqa6-2_d20_bs8": Case(6, 2, 20, 8, ((45, 1), (19, 4), (6, 6))),
-    "mqa3-1_d5_bs4": Case(3, 1, 5, 4, ((23, 1), (7, 2))),
+    "gqa6-2_d20_bs8": Case(6, 2, 20, 8, ((45, 1), (19, 4), (6, 6), (30, 12))),
+    "mqa3-1_d5_bs4": Case(3, 1, 5, 4, ((23, 1), (7, 2), (23, 10))),
+    "mha4-4_d32_bs16_tiles": Case(4, 4, 32, 16, ((50, 20), (17, 1))),
+    "gqa16-1_d16_bs8_tiles": Case(16, 1, 16, 8, ((30, 10), (9, 1))),
 }
 KERNEL_CASES = {
     **{n: c for n, c in CASES.items() if c.dtype == torch.float32},
@@ -225,3 +229,42 @@ def test_scores_hundreds_apart_stay_finite(kernel):
                          batch["metadata"], batch["scale"])[:n]
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, want, atol=1e-5 * want.abs().max().item(), rtol=1e-4)  # values to ~1e3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_row_rounds_the_same_whichever_tile_it_lands_in(kernel, dtype):
+    """A prefill's rows go through the kernel in tiles (here 5 rows of 3 query heads), each row's
+    sums its own: the same 20 rows as one chunk, or as chunks of 11 and 9 (row 50 then alone in its
+    tile, rows 51-55 one tile, not two), give the same bits. A tile-wide softmax maximum, say,
+    would not."""
+    case = Case(9, 3, 64, 16, ((47, 1), (60, 20)), dtype=dtype)  # a decode row first: the rows shift
+    batch = make_batch(case, seed=5)
+    q, k, v, scale, bs = batch["q"], batch["k"], batch["v"], batch["scale"], case.block_size
+    caches = batch["k_cache"].clone(), batch["v_cache"].clone()  # the context only, as the chunks see it
+    whole = kernel.forward(q, k, v, batch["k_cache"], batch["v_cache"], batch["metadata"], scale)[1:21]
+    table = batch["metadata"].block_tables[1].tolist()
+    chunks = []
+    for first, q_len in ((1, 11), (12, 9)):
+        metadata = PagedAttentionMetadata.build([table], [40 + first - 1 + q_len], [q_len], bs)
+        rows = slice(first, first + q_len)
+        chunks.append(kernel.forward(q[rows], k[rows], v[rows], *caches, metadata, scale))
+    assert torch.equal(torch.cat(chunks), whole)
+    assert torch.equal(caches[0][table], batch["k_cache"][table])  # and stored the same K/V
+
+
+def test_the_tiles_off_switch_attends_a_prefill_row_by_row(kernel, monkeypatch):
+    """VLLM_COURSE_CPU_ATTENTION_TILES=0: a prefill's rows go through the row kernel, each then the
+    same bits as that row decoded alone on its context; with tiles (the default) they are not."""
+    case = Case(9, 3, 64, 16, ((45, 12),))
+    batch = make_batch(case, seed=6)
+    q, k, v, scale = batch["q"], batch["k"], batch["v"], batch["scale"]
+    table = batch["metadata"].block_tables[0].tolist()
+    caches = batch["k_cache"].clone(), batch["v_cache"].clone()
+    kernel.forward(q, k, v, *caches, batch["metadata"], scale)  # every new row's K/V stored
+    alone = torch.cat([kernel.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], *caches,
+                                      PagedAttentionMetadata.build([table], [34 + i], [1], 16), scale)
+                       for i in range(12)])
+    monkeypatch.setattr(cpu_attention, "TILES", False)
+    row_by_row = cpu_attention.CpuPagedAttention(kernel.lib)
+    assert torch.equal(row_by_row.forward(q, k, v, *caches, batch["metadata"], scale)[:12], alone)
+    assert not torch.equal(kernel.forward(q, k, v, *caches, batch["metadata"], scale)[:12], alone)

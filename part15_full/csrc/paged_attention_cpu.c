@@ -4,7 +4,10 @@
    tensor, then SDPA reads that copy: every K/V byte a step needs is read twice and written once.
    Attending one query row costs a few FLOPs per byte, so on a CPU the time is memory traffic, and
    the copy is most of it. Here each (query row, KV head) walks its block table and reads each key
-   and value row once, straight from the pool.
+   and value row once, straight from the pool. That is the row kernel below, for decode and
+   speculative decoding's few rows a sequence; a sequence with more than `short_run` rows in a step
+   (a prefill) goes a tile of rows at a time through prefill_tiles.h, which reads a key once for
+   the whole tile.
 
    Layout (as paged_attention.py): q, out [rows, H, D], each row contiguous, `*_row_stride` floats
    apart; k_cache, v_cache [num_blocks, block_size, KV, D] contiguous; block_tables [seqs, width].
@@ -40,6 +43,7 @@
    EPYC, and the kernel 1.26x faster without it on Zen 4. */
 #include "vec_math.h"
 
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -55,11 +59,13 @@ typedef struct {
     const void *q, *k_cache, *v_cache; /* fp32 or bf16 elements, as `bf16` says */
     void *out;
     const int32_t *block_tables, *row_idx, *row_seq, *row_len;
+    const int32_t *tiles; /* tile t: rows tiles[t] .. tiles[t + 1] - 1 (the row kernel's: one row) */
+    const unsigned char *tiled; /* tiled[t]: tile t goes through prefill_tiles.h */
     int64_t q_row_stride, out_row_stride, table_stride;
     int num_kv_heads, group, head_dim, block_size, bf16;
     float *widened; /* bf16: this thread's 2 x block_size x head_dim floats, a block's K and V */
     float scale;
-    int64_t begin, end; /* this thread's work items: item = row * num_kv_heads + kv_head */
+    int64_t begin, end; /* this thread's work items: item = tile * num_kv_heads + kv_head */
 } Job;
 
 /* Eight floats as one value: GCC and clang compile arithmetic on it to one vector instruction
@@ -111,8 +117,10 @@ static inline int64_t next_block_at(const Job *job, int64_t item, int t0, int le
                                     int64_t row_stride, const int D) {
     const int bs = job->block_size, KV = job->num_kv_heads;
     if (t0 + bs < len) return (int64_t)table[t0 / bs + 1] * bs * row_stride + (int64_t)(item % KV) * D;
-    if (item + 1 >= job->end || job->row_len[(item + 1) / KV] <= 0) return -1;
-    const int32_t first = job->block_tables[(int64_t)job->row_seq[(item + 1) / KV] * job->table_stride];
+    if (item + 1 >= job->end) return -1;
+    const int r = job->tiles[(item + 1) / KV]; /* the next item's (first) row */
+    if (job->row_len[r] <= 0) return -1;
+    const int32_t first = job->block_tables[(int64_t)job->row_seq[r] * job->table_stride];
     return first < 0 ? -1 : (int64_t)first * bs * row_stride + (int64_t)((item + 1) % KV) * D;
 }
 
@@ -127,14 +135,14 @@ static inline void prefetch_row(const Job *job, int64_t at, int j, int64_t row_s
     }
 }
 
-/* One (query row, KV head). Inlined with D and the element type constants for the common head
+/* The row kernel: one query row r and one KV head. Inlined with D and the element type constants for the common head
    sizes, so the loops over D unroll and the output accumulators stay in registers while the keys
    stream by. k and v point at this block's first K and V rows, `stride` floats apart: in the pool
    (fp32), or in the thread's buffer, widened (bf16). */
-static inline __attribute__((always_inline)) void attend(const Job *job, int64_t item, const int D,
-                                                         const int bf16) {
+static inline __attribute__((always_inline)) void attend_row(const Job *job, int64_t item, int r, const int D,
+                                                             const int bf16) {
     const int KV = job->num_kv_heads, G = job->group, bs = job->block_size, C = D / 8;
-    const int r = (int)(item / KV), h = (int)(item % KV);
+    const int h = (int)(item % KV);
     const int len = job->row_len[r];
     const int32_t *table = job->block_tables + (int64_t)job->row_seq[r] * job->table_stride;
     const int64_t q_at = (int64_t)job->row_idx[r] * job->q_row_stride + (int64_t)h * G * D;
@@ -231,6 +239,15 @@ static inline __attribute__((always_inline)) void attend(const Job *job, int64_t
     }
 }
 
+#include "prefill_tiles.h"
+
+static inline __attribute__((always_inline)) void attend(const Job *job, int64_t item, const int D,
+                                                         const int bf16) {
+    const int64_t t = item / job->num_kv_heads;
+    if (job->tiled[t]) attend_tile(job, item, job->tiles[t], job->tiles[t + 1] - job->tiles[t], D, bf16);
+    else attend_row(job, item, job->tiles[t], D, bf16);
+}
+
 static void attend_one(const Job *job, int64_t item) {
     switch (job->head_dim * 2 + job->bf16) { /* constants for the head sizes models use, by type */
     case 64 * 2: attend(job, item, 64, 0); break;
@@ -255,14 +272,15 @@ static void *run_thread(void *job) {
 #endif
 
 /* Returns 0; -1 when the shapes exceed the fixed buffers (the caller then takes the torch path), -2
-   when the bf16 buffers cannot be allocated. */
+   when the buffers cannot be allocated. A sequence's rows are consecutive; one with more than
+   short_run of them goes in tiles (prefill_tiles.h). */
 /* q, k_cache, v_cache and out: fp32 arrays, or bf16 ones (uint16_t) where bf16 is 1. */
 int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cache,
                          const void *v_cache, const int32_t *block_tables, int64_t table_stride,
                          const int32_t *row_idx, const int32_t *row_seq, const int32_t *row_len,
                          int num_rows, int num_heads, int num_kv_heads, int head_dim,
                          int block_size, float scale, void *out, int64_t out_row_stride,
-                         int num_threads, int bf16) {
+                         int num_threads, int bf16, int short_run) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM ||
         block_size > MAX_BLOCK)
         return -1;
@@ -271,26 +289,46 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
     Job jobs[MAX_THREADS];
     const int64_t per_thread = 2 * (int64_t)block_size * head_dim; /* a block's K and V, widened */
     float *widened = bf16 ? malloc(sizeof(float) * per_thread * num_threads) : NULL;
-    if (bf16 && !widened) return -2;
+    int32_t *tiles = malloc(sizeof(int32_t) * ((int64_t)num_rows + 1));
+    unsigned char *tiled = malloc((size_t)num_rows + 1);
+    if ((bf16 && !widened) || !tiles || !tiled) {
+        free(widened), free(tiles), free(tiled);
+        return -2;
+    }
+    /* Tiles: a run of more than short_run rows of one sequence in tiles of up to LANES / G rows, any
+       other row alone (the row kernel's). */
+    const int group = num_heads / num_kv_heads, per_tile = LANES / group;
+    int num_tiles = 0;
+    for (int r = 0, run; r < num_rows; r += run) {
+        for (run = 1; r + run < num_rows && row_seq[r + run] == row_seq[r];) run++;
+        const int tile = run > short_run ? per_tile : 1;
+        for (int i = 0; i < run; i += tile) {
+            tiled[num_tiles] = run > short_run;
+            tiles[num_tiles++] = r + i;
+        }
+    }
+    tiles[num_tiles] = num_rows;
 
-    /* Split the items by the keys they read, not by their count: rows differ in length. */
-    const int64_t items = (int64_t)num_rows * num_kv_heads;
+    /* Split the items by the work they do, not by their count: rows differ in length, and a tile
+       of 5 rows costs about what 2 rows cost the row kernel (measured on a Xeon). */
+#define COST(t) ((int64_t)row_len[tiles[(t) + 1] - 1] * (tiled[t] ? 5 : 2))
+    const int64_t items = (int64_t)num_tiles * num_kv_heads;
     int64_t total = 0, done = 0, item = 0;
-    for (int r = 0; r < num_rows; r++) total += row_len[r];
+    for (int t = 0; t < num_tiles; t++) total += COST(t);
     total *= num_kv_heads;
     for (int t = 0; t < num_threads; t++) {
         Job *job = &jobs[t];
-        *job = (Job){q, k_cache, v_cache, out, block_tables, row_idx, row_seq, row_len,
-                     q_row_stride, out_row_stride, table_stride, num_kv_heads,
-                     num_heads / num_kv_heads, head_dim, block_size, bf16 != 0,
-                     widened ? widened + t * per_thread : NULL, scale, item, item};
+        *job = (Job){q, k_cache, v_cache, out, block_tables, row_idx, row_seq, row_len, tiles, tiled,
+                     q_row_stride, out_row_stride, table_stride, num_kv_heads, group, head_dim, block_size,
+                     bf16 != 0, widened ? widened + t * per_thread : NULL, scale, item, item};
         const int64_t target = total * (t + 1) / num_threads;
         while (item < items && (t == num_threads - 1 || done < target)) {
-            done += row_len[item / num_kv_heads];
+            done += COST(item / num_kv_heads);
             item++;
         }
         job->end = item;
     }
+#undef COST
 #ifdef _OPENMP
     /* torch's own OpenMP threads: this library links libgomp.so.1, which the process already has
        loaded for torch, so the kernel runs on the same pool (threads of a second pool would wait
@@ -308,7 +346,7 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
         else run_job(&jobs[t]); /* empty, or no thread could be started: run it here */
     }
 #endif
-    free(widened);
+    free(widened), free(tiles), free(tiled);
     return 0;
 }
 
