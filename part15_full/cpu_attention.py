@@ -12,7 +12,8 @@ How. `csrc/paged_attention_cpu.c` (read it: ~350 lines) walks each row's block t
 key and value once, with an online softmax; threads split the rows by the work they do. It takes
 query rows of up to SHORT_QUERY tokens per sequence (decode, and speculative decoding's verification
 rows), each with its own causal length, and a longer query (prefill) while its sequence is short
-(uses_kernel); long prefills stay on the gather + SDPA path, where the GEMM-shaped work suits SDPA.
+(uses_kernel); long fresh prefills stay on the gather + SDPA path, where plain causal attention
+suits SDPA (a chunk on a cached context does not: SDPA with a mask is slow).
 A prefill's rows go in tiles of a few rows that read each key once for the whole tile
 (`csrc/prefill_tiles.h`, ~190 lines); decode rows go one at a time.
 The same library stores the step's new K/V rows in their slots first (store_kv: one call for K
@@ -48,13 +49,14 @@ from .paged_attention import _gather, reshape_and_cache_ref
 
 SOURCE = CSRC / "paged_attention_cpu.c"
 SHORT_QUERY = 8  # queries of up to this many tokens always go through the kernel
-# A longer query (a prefill) goes through it too while its sequence is at most this long. Each of
-# its rows reads the keys again, row by row, where SDPA takes them as a matrix: on short sequences
-# the kernel still costs less than gathering them for SDPA, on long ones more. Alone, fresh
-# prefills on the Zen 4 course machine crossed over at about 180 keys in bf16 (every row widens
-# the blocks again) and 740 in fp32; in the engine, where a step's prefills share one kernel call
-# (SDPA takes them one by one), the held-out workload's prompts of up to 200 tokens all gained.
-PREFILL_MAX_LEN = {torch.float32: 640, torch.bfloat16: 256}
+# A longer query (a prefill) goes through it too while its sequence is at most this long, and
+# always when it is a chunk on a cached context. A fresh prefill is plain causal attention, which
+# SDPA takes as matrices; on long ones that beats the kernel's tiles of rows (on a Cascade Lake
+# Xeon, 30 layers, fp32: the tiles 564 against 636 ms at 1024 tokens, 2125 against 2041 at 2001; the
+# bf16 limit was measured on a Zen 4 EPYC with native bf16, before the tiles). A chunk on a context
+# needs SDPA with a mask, which falls to its slow unfused path: a 977-token chunk on 1024 cached took
+# 4061 ms there against 1540 in the kernel (fp32; bf16 1841 against 1686).
+PREFILL_MAX_LEN = {torch.float32: 1024, torch.bfloat16: 256}
 ENABLED = os.environ.get("VLLM_COURSE_CPU_ATTENTION", "1") != "0"
 TILES = os.environ.get("VLLM_COURSE_CPU_ATTENTION_TILES", "1") != "0"
 logger = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class _Plan:
 
 def uses_kernel(q_len: int, seq_len: int, dtype: torch.dtype) -> bool:
     """Whether a sequence's query rows of a step go through the kernel (else gather + SDPA)."""
-    return q_len <= SHORT_QUERY or seq_len <= PREFILL_MAX_LEN.get(dtype, 0)
+    return q_len <= SHORT_QUERY or q_len < seq_len or seq_len <= PREFILL_MAX_LEN.get(dtype, 0)
 
 
 def _plan(metadata: PagedAttentionMetadata, block_size: int, dtype: torch.dtype) -> _Plan:

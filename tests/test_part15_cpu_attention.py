@@ -18,15 +18,17 @@ from test_paged_kernels import ATOL, CASES, Case, dense_attention, make_batch, m
 
 # Beyond part 03's cases: decode rows hundreds of tokens long (many blocks, the online softmax
 # rescaling across them), speculative-decoding-shaped queries (2-8 new tokens on a context), a
-# prefill just over SHORT_QUERY on a short sequence (through the kernel's tiles) and a prefill chunk
-# on a sequence past PREFILL_MAX_LEN in either type (the SDPA path) in one batch; head sizes the
+# prefill just over SHORT_QUERY on a short sequence (through the kernel's tiles), a prefill chunk on
+# a long cached context (the kernel's tiles too) and a fresh prefill past PREFILL_MAX_LEN in either
+# type (the SDPA path) in one batch; head sizes the
 # kernel compiles as constants (64, 128) and ones it does not, with and without a remainder past
 # its 8-float (row kernel) and 16-float (tiles) vectors; tiles of 16 rows (MHA), 4 and 5 rows with
 # a shorter last one, and of one row (16 query heads on a KV head);
 # each of those in bf16 too (a bf16 pool, widened as the kernel loads it).
 SHAPES = {
     "smollm9-3_d64_bs16_long_and_spec": Case(9, 3, 64, 16, ((300, 1), (129, 1), (47, 1), (200, 8),
-                                                            (64, 9), (31, 2), (2, 2), (700, 20))),
+                                                            (64, 9), (31, 2), (2, 2), (700, 20),
+                                                            (1100, 1100))),
     "gqa8-2_d128_bs32": Case(8, 2, 128, 32, ((70, 1), (33, 3), (40, 40))),
     "gqa6-2_d20_bs8": Case(6, 2, 20, 8, ((45, 1), (19, 4), (6, 6), (30, 12))),
     "mqa3-1_d5_bs4": Case(3, 1, 5, 4, ((23, 1), (7, 2), (23, 10))),
@@ -107,8 +109,8 @@ def test_the_backend_uses_the_kernel_on_cpu_through_engine_like_steps():
 
 
 def test_decode_reads_the_blocks_in_place(kernel, monkeypatch):
-    """Short queries and short prefills never gather; a long prefill still does (SDPA over its
-    gathered context)."""
+    """Short queries, short prefills and chunks on a cached context never gather; a long fresh
+    prefill still does (SDPA over its gathered K/V)."""
     gathers = []
     real_gather = cpu_attention._gather
     monkeypatch.setattr(cpu_attention, "_gather", lambda *a: gathers.append(a) or real_gather(*a))
@@ -117,7 +119,7 @@ def test_decode_reads_the_blocks_in_place(kernel, monkeypatch):
         batch = make_batch(case)
         kernel.forward(batch["q"], batch["k"], batch["v"], batch["k_cache"], batch["v_cache"],
                        batch["metadata"], batch["scale"])
-        assert len(gathers) == expected, name  # the 700-token sequence: one gather for K, one for V
+        assert len(gathers) == expected, name  # the 1100-token prefill: one gather for K, one for V
         gathers.clear()
 
 
