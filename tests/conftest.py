@@ -384,12 +384,21 @@ def assert_bf16_teacher_forced(llm, prompt_token_ids, oracle) -> None:
 
 
 def assert_bf16_greedy_tracks(llm, prompt_token_ids, oracle) -> None:
-    """Free-running greedy decode in bf16 agrees with the fp32 oracle for the first 8 tokens on at
-    least 6 of the 8 prompts."""
+    """Free-running greedy decode in bf16 against the fp32 oracle, over the first 8 tokens of each
+    prompt: at least half the prompts agree on all 8, and a prompt that leaves the oracle leaves it
+    only where the oracle itself is near a tie (the token we picked within 1 logit of its best).
+    After the first flip the two runs continue different texts, so nothing later is compared; a
+    count of agreeing prompts alone would be a coin toss on where bf16's rounding lands a tie."""
     outs = llm.generate(prompt_token_ids, greedy(NEW_TOKENS))
-    first8 = [o.outputs[0].token_ids[:8] == cont[:8] for o, (cont, _) in zip(outs, oracle)]
-    assert sum(first8) >= 6, first8
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
+    first8 = [o.outputs[0].token_ids[:8] == cont[:8] for o, (cont, _) in zip(outs, oracle)]
+    assert sum(first8) >= len(first8) // 2, first8
+    for o, (cont, logits) in zip(outs, oracle):
+        ours = o.outputs[0].token_ids
+        k = next((j for j in range(8) if ours[j] != cont[j]), None)
+        if k is not None:
+            margin = (logits[k].max() - logits[k, ours[k]]).item()
+            assert margin < 1.0, (k, margin)
 
 
 def num_kv_blocks(engine) -> int:

@@ -42,19 +42,13 @@ static inline lanes select_lanes(ilanes mask, lanes a, lanes b) {
 }
 static inline lanes max_lanes(lanes a, lanes b) { return select_lanes(a > b, a, b); }
 
-/* vec_math.h's exp_approx on 16 lanes: the same steps, as vector operations. */
+/* vec_math.h's exp_approx on 16 lanes: its steps (EXP_*), as vector operations. */
 static inline lanes exp_lanes(lanes x) {
     x = max_lanes(x, splat(-87.f));
     x = select_lanes(x > 87.f, splat(87.f), x);
-    const lanes n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    const lanes r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    lanes p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const lanes y = p * r * r + r + 1.f;
+    const lanes n = EXP_ROUND(x);
+    const lanes r = EXP_REDUCE(x, n);
+    const lanes y = EXP_POLY(r);
     const ilanes bits = (__builtin_convertvector(n, ilanes) + 127) << 23;
     return y * (lanes)bits;
 }

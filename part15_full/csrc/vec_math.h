@@ -13,20 +13,23 @@
    min/max, and its loops stay scalar (clang assumes it already). */
 #pragma GCC optimize("no-trapping-math")
 
+/* exp_approx's steps as expressions, which GCC's vector types take too (prefill_tiles.h's
+   exp_lanes computes 16 lanes with them). EXP_ROUND: n = round(x / ln2), adding and taking away
+   1.5 * 2^23 leaves no fraction bits; EXP_REDUCE: x - n ln2, ln2 in two parts; EXP_POLY: e^r on
+   the reduced range, Horner's rule. */
+#define EXP_ROUND(x) (((x) * 1.44269504088896341f + 12582912.f) - 12582912.f)
+#define EXP_REDUCE(x, n) ((x) - (n) * 0.693359375f + (n) * 2.12194440e-4f)
+#define EXP_POLY(r)                                                                                     \
+    ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) + 4.1665795894e-2f) * \
+           (r) + 1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) + (r) + 1.f)
+
 /* e^x, for x clamped to [-87, 87]: 2^n stays a normal float, and 1 + e^x stays under 2^126 (see
    reciprocal). Below -87 it returns ~1.6e-38 instead of a smaller number or 0. */
 static inline float exp_approx(float x) {
     x = x < -87.f ? -87.f : x > 87.f ? 87.f : x;
-    /* n = round(x / ln2): adding and taking away 1.5 * 2^23 leaves no fraction bits */
-    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, ln2 in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.f;
+    const float n = EXP_ROUND(x);
+    const float r = EXP_REDUCE(x, n);
+    const float y = EXP_POLY(r);
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
