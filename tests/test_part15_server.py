@@ -365,7 +365,8 @@ def test_sigterm_past_the_timeout_aborts_and_the_dp_engines_exit(processes):
     t = stream_in_thread(url, 6000, events)  # far more steps than a second holds
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    wait_draining(url)
+    # No wait_draining here: the 503s while draining are the 60 s server's test, since a 1 s window
+    # can close before a loaded machine's first poll (the poll then met a closed port, not a 503).
     t.join(timeout=60)
     waited = time.monotonic() - signalled
     assert events[-1] == "[DONE]"
