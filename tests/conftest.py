@@ -20,6 +20,14 @@ from pathlib import Path
 # machine, with one other process busy, HF's 32-token greedy run took 12.0 s with the default
 # policy and 1.5 s with PASSIVE. Set OMP_WAIT_POLICY yourself to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under pytest-xdist (`make test`: two workers on the course's two cores) each worker takes its share
+# of the cores for its OpenMP threads, and the servers and notebook kernels it starts inherit that:
+# two workers of two threads each on two cores make every parallel op wait on a descheduled thread.
+# On four part files, 1 thread a worker used a third of the system time of 2 (5.2-5.9 s against
+# 14.8-15.2). The kernels' thread splits are tested with their thread counts set explicitly.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 import numpy as np
 import pytest

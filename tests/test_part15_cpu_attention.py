@@ -99,6 +99,26 @@ def test_the_kernel_matches_dense_attention_and_the_reference(kernel, name, padd
         torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_threads_split_the_work_without_changing_a_bit(kernel, dtype):
+    """Decode rows, verification rows and prefill tiles of unequal lengths, split over 1, 2 and 3
+    threads (the suite's workers may run on one): each item is summed by one thread, in one order."""
+    case = dataclasses.replace(SHAPES["smollm9-3_d64_bs16_long_and_spec"], dtype=dtype)
+    batch = make_batch(case, seed=5)
+    args = (batch["q"], batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], batch["metadata"],
+            batch["scale"])
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(kernel.forward(*args)[:batch["num_tokens"]].clone())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert_matches_dense(outs[1], batch, case)
+
+
 def test_the_backend_uses_the_kernel_on_cpu_through_engine_like_steps():
     backend = PagedAttention(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8,
                              dtype=torch.float32, device="cpu")
