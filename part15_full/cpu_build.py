@@ -25,6 +25,12 @@ CSRC = Path(__file__).with_name("csrc")
 # torch's OpenMP threads (see paged_attention_cpu.c); a compiler that refuses a flag gets the next,
 # plainer line (without -fopenmp the attention kernel starts its own threads).
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O2"])
+# On x86, GCC vectorizes a plain loop (SiLU's exp, the rotary embedding) 8 floats wide even where
+# the CPU has 16-float AVX-512 registers, unless asked: with this, SiLU x up and the rotary
+# embedding ran 1.3-1.4x faster at a decode step's 25 rows on a Cascade Lake Xeon. The kernels
+# written with explicit vector types (the GEMM's, attention's) do not change. No effect without
+# AVX-512, and only x86 compilers know the flag.
+_X86_FLAGS = ["-mprefer-vector-width=512"]
 logger = logging.getLogger(__name__)
 
 
@@ -45,13 +51,15 @@ def build(source: Path, compiler: str | None = None) -> Path | None:
     if not compiler or not source.is_file():
         return None
     texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # its includes
-    key = hashlib.sha256(b"\0".join([*texts, compiler.encode(), platform.machine().encode(),
-                                      _cpu_id().encode()])).hexdigest()[:16]
+    extra = _X86_FLAGS if platform.machine().lower() in ("x86_64", "amd64") else []
+    flag_sets = [[*flags, *extra] if "-march=native" in flags else flags for flags in _FLAG_SETS]
+    key = hashlib.sha256(b"\0".join([*texts, compiler.encode(), platform.machine().encode(), _cpu_id().encode(),
+                                      repr(flag_sets).encode()])).hexdigest()[:16]  # flags: a new set rebuilds
     target = cache_root() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     errors = []
-    for flags in _FLAG_SETS:
+    for flags in flag_sets:
         # Build beside the target, then rename: processes starting together never load half a file.
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
