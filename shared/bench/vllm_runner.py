@@ -77,6 +77,10 @@ class Runner:
         }
         for key, value in env.items():
             os.environ.setdefault(key, value)
+        # The thread count is the caller's own setting too, given in the message: it wins over an
+        # OMP_NUM_THREADS inherited from the shell (or a test worker's), which would size vLLM's
+        # OpenMP pool apart from its torch threads.
+        os.environ["OMP_NUM_THREADS"] = env["OMP_NUM_THREADS"]
 
         t0 = time.perf_counter()
         import torch
