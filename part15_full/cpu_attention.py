@@ -78,10 +78,10 @@ def bind(path: Path) -> ctypes.CDLL:
     """The library, its two functions' C signatures declared for ctypes."""
     lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.paged_attention_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32,
-                                         ctypes.c_float, ptr, i64, i32, i32, i32]
+    lib.paged_attention_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
+                                         i32, ctypes.c_float, ptr, i64, i32, i32]
     lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
-    for fn in (lib.paged_attention_rows, lib.store_kv):
+    for fn in (lib.paged_attention_rows, lib.store_kv, lib.attention_tile_lanes):
         fn.restype = i32
     return lib
 
@@ -96,6 +96,8 @@ class _Plan:
     row_idx: torch.Tensor  # [R] int32: the q/out row of each token the kernel attends
     row_seq: torch.Tensor  # [R] int32: its sequence
     row_len: torch.Tensor  # [R] int32: the keys it sees (causal)
+    tiles: torch.Tensor  # [N + 1] int32: tile t is rows tiles[t] .. tiles[t + 1] - 1 of the R
+    tiled: torch.Tensor  # [N] uint8: 1 where tile t is a prefill's (prefill_tiles.h), 0 for one row
     long: list[tuple[int, int, int, torch.Tensor]]  # long prefills, via SDPA: (first row, q_len, seq_len, blocks)
     slots: torch.Tensor  # the slot mapping, int64, contiguous (-1: a padding token)
 
@@ -105,23 +107,30 @@ def uses_kernel(q_len: int, seq_len: int, dtype: torch.dtype) -> bool:
     return q_len <= SHORT_QUERY or q_len < seq_len or seq_len <= PREFILL_MAX_LEN.get(dtype, 0)
 
 
-def _plan(metadata: PagedAttentionMetadata, block_size: int, dtype: torch.dtype) -> _Plan:
+def _plan(metadata: PagedAttentionMetadata, block_size: int, dtype: torch.dtype, tile_rows: int,
+          short_run: int) -> _Plan:
+    """tile_rows: the rows a prefill tile holds; a sequence with more than short_run rows in the
+    step goes in such tiles, any other row alone (the row kernel's)."""
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
-    rows, seqs, lens, long = [], [], [], []
+    rows, seqs, lens, tiles, tiled, long = [], [], [], [], [], []
     for i, (start, end, seq_len) in enumerate(zip(starts, starts[1:], seq_lens)):
         q_len = end - start
         if not uses_kernel(q_len, seq_len, dtype):
             long.append((start, q_len, seq_len, metadata.block_tables[i, :cdiv(seq_len, block_size)].long()))
             continue
         context = seq_len - q_len  # tokens cached before this step's
+        tile = tile_rows if q_len > short_run else 1
+        tiles += range(len(rows), len(rows) + q_len, tile)
+        tiled += [q_len > short_run] * cdiv(q_len, tile)
         rows += range(start, end)
         seqs += [i] * q_len
         lens += range(context + 1, seq_len + 1)
 
     def i32(values):
         return torch.tensor(values, dtype=torch.int32)
-    return _Plan(metadata.block_tables.to(torch.int32).contiguous(), i32(rows), i32(seqs), i32(lens), long,
+    return _Plan(metadata.block_tables.to(torch.int32).contiguous(), i32(rows), i32(seqs), i32(lens),
+                 i32(tiles + [len(rows)]), torch.tensor(tiled, dtype=torch.uint8), long,
                  metadata.slot_mapping.to(torch.int64).contiguous())
 
 
@@ -132,6 +141,7 @@ class CpuPagedAttention:
         self.lib = lib
         # A sequence with more query rows than this in a step is tiled (csrc/prefill_tiles.h).
         self.short_run = SHORT_QUERY if TILES else 2 ** 31 - 1
+        self.lanes = lib.attention_tile_lanes()  # a tile of G query heads per KV head holds lanes // G rows
         self._metadata = None  # the step whose plan is cached (the same object for every layer)
         self._plan: _Plan | None = None
 
@@ -149,7 +159,8 @@ class CpuPagedAttention:
         """q [T, H, D], k/v [T, KV, D] as PagedAttention.forward takes them -> [T, H, D]."""
         block_size = k_cache.shape[1]
         if metadata is not self._metadata:
-            self._metadata, self._plan = metadata, _plan(metadata, block_size, q.dtype)
+            tile_rows = max(1, self.lanes // (q.shape[1] // k_cache.shape[2]))
+            self._metadata, self._plan = metadata, _plan(metadata, block_size, q.dtype, tile_rows, self.short_run)
         plan, bf16 = self._plan, q.dtype == torch.bfloat16
         heads_packed = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
         num_slots = k_cache.shape[0] * block_size
@@ -172,9 +183,9 @@ class CpuPagedAttention:
                 status = self.lib.paged_attention_rows(
                     q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), plan.tables.data_ptr(),
                     plan.tables.stride(0), plan.row_idx.data_ptr(), plan.row_seq.data_ptr(),
-                    plan.row_len.data_ptr(), plan.row_idx.numel(), q.shape[1], k_cache.shape[2], q.shape[2],
-                    block_size, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(), bf16,
-                    self.short_run)
+                    plan.row_len.data_ptr(), plan.tiles.data_ptr(), plan.tiled.data_ptr(), plan.tiled.numel(),
+                    q.shape[1], k_cache.shape[2], q.shape[2], block_size, scale, out.data_ptr(), out.stride(0),
+                    torch.get_num_threads(), bf16)
             if status == -2:
                 raise MemoryError("CPU paged attention: no memory for the bf16 block buffers")
             assert status == 0, "shapes outside the kernel's buffers (supports() should have said)"

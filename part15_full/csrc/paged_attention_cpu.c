@@ -5,9 +5,9 @@
    Attending one query row costs a few FLOPs per byte, so on a CPU the time is memory traffic, and
    the copy is most of it. Here each (query row, KV head) walks its block table and reads each key
    and value row once, straight from the pool. That is the row kernel below, for decode and
-   speculative decoding's few rows a sequence; a sequence with more than `short_run` rows in a step
-   (a prefill) goes a tile of rows at a time through prefill_tiles.h, which reads a key once for
-   the whole tile.
+   speculative decoding's few rows a sequence; a prefill's rows go a tile of rows at a time through
+   prefill_tiles.h, which reads a key once for the whole tile (the caller says which rows make a
+   tile, once a step for all layers).
 
    Layout (as paged_attention.py): q, out [rows, H, D], each row contiguous, `*_row_stride` floats
    apart; k_cache, v_cache [num_blocks, block_size, KV, D] contiguous; block_tables [seqs, width].
@@ -271,43 +271,36 @@ static void *run_thread(void *job) {
 }
 #endif
 
-/* Returns 0; -1 when the shapes exceed the fixed buffers (the caller then takes the torch path), -2
-   when the buffers cannot be allocated. A sequence's rows are consecutive; one with more than
-   short_run of them goes in tiles (prefill_tiles.h). */
+/* The rows a tile of prefill_tiles.h holds: 16 / G of them (G query heads per KV head). */
+int attention_tile_lanes(void) { return LANES; }
+
+/* Returns 0; -1 when the shapes exceed the fixed buffers or a tile is not one the kernel takes (the
+   caller then takes the torch path), -2 when the buffers cannot be allocated. The step's tiles
+   come from the caller, worked out once for all layers (cpu_attention.py's plan): tile t is rows
+   tiles[t] .. tiles[t + 1] - 1, one sequence's, through prefill_tiles.h where tiled[t] (at most
+   LANES / G rows) and else one row through the row kernel. */
 /* q, k_cache, v_cache and out: fp32 arrays, or bf16 ones (uint16_t) where bf16 is 1. */
 int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cache,
                          const void *v_cache, const int32_t *block_tables, int64_t table_stride,
                          const int32_t *row_idx, const int32_t *row_seq, const int32_t *row_len,
-                         int num_rows, int num_heads, int num_kv_heads, int head_dim,
+                         const int32_t *tiles, const unsigned char *tiled, int num_tiles,
+                         int num_heads, int num_kv_heads, int head_dim,
                          int block_size, float scale, void *out, int64_t out_row_stride,
-                         int num_threads, int bf16, int short_run) {
+                         int num_threads, int bf16) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM ||
         block_size > MAX_BLOCK)
         return -1;
+    const int group = num_heads / num_kv_heads, per_tile = LANES / group;
+    for (int t = 0; t < num_tiles; t++) {
+        const int n = tiles[t + 1] - tiles[t];
+        if (n < 1 || n > (tiled[t] ? per_tile : 1) || row_seq[tiles[t + 1] - 1] != row_seq[tiles[t]]) return -1;
+    }
     if (num_threads < 1) num_threads = 1;
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
     Job jobs[MAX_THREADS];
     const int64_t per_thread = 2 * (int64_t)block_size * head_dim; /* a block's K and V, widened */
     float *widened = bf16 ? malloc(sizeof(float) * per_thread * num_threads) : NULL;
-    int32_t *tiles = malloc(sizeof(int32_t) * ((int64_t)num_rows + 1));
-    unsigned char *tiled = malloc((size_t)num_rows + 1);
-    if ((bf16 && !widened) || !tiles || !tiled) {
-        free(widened), free(tiles), free(tiled);
-        return -2;
-    }
-    /* Tiles: a run of more than short_run rows of one sequence in tiles of up to LANES / G rows, any
-       other row alone (the row kernel's). */
-    const int group = num_heads / num_kv_heads, per_tile = LANES / group;
-    int num_tiles = 0;
-    for (int r = 0, run; r < num_rows; r += run) {
-        for (run = 1; r + run < num_rows && row_seq[r + run] == row_seq[r];) run++;
-        const int tile = run > short_run ? per_tile : 1;
-        for (int i = 0; i < run; i += tile) {
-            tiled[num_tiles] = run > short_run;
-            tiles[num_tiles++] = r + i;
-        }
-    }
-    tiles[num_tiles] = num_rows;
+    if (bf16 && !widened) return -2;
 
     /* Split the items by the work they do, not by their count: rows differ in length, and a tile
        of 5 rows costs about what 2 rows cost the row kernel (measured on a Xeon). */
@@ -346,7 +339,7 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
         else run_job(&jobs[t]); /* empty, or no thread could be started: run it here */
     }
 #endif
-    free(widened), free(tiles), free(tiled);
+    free(widened);
     return 0;
 }
 

@@ -1,7 +1,7 @@
 /* Paged attention for a prefill's rows, a tile of them at a time: included by paged_attention_cpu.c
-   (after its Job, next_block_at and prefetch_row), which sends a sequence's rows here when it has
-   more than `short_run` of them in a step (cpu_attention.py passes SHORT_QUERY, 8). Read that file
-   first.
+   (after its Job, next_block_at and prefetch_row), which sends a tile of rows here when its caller
+   says so: cpu_attention.py tiles a sequence's rows when it has more than SHORT_QUERY (8) of them
+   in a step. Read that file first.
 
    Why. The row kernel there walks a block's keys once per query row. A prefill of n tokens has n
    rows that read the same keys, and per key the row kernel spends more on its per-row work (a
