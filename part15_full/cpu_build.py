@@ -29,7 +29,7 @@ _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["
 # the CPU has 16-float AVX-512 registers, unless asked: with this, SiLU x up and the rotary
 # embedding ran 1.3-1.4x faster at a decode step's 25 rows on a Cascade Lake Xeon. The kernels
 # written with explicit vector types (the GEMM's, attention's) do not change. No effect without
-# AVX-512, and only x86 compilers know the flag.
+# AVX-512, and only x86 compilers know the flag. VLLM_COURSE_CPU_WIDE_VECTORS=0 leaves GCC's choice.
 _X86_FLAGS = ["-mprefer-vector-width=512"]
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ def build(source: Path, compiler: str | None = None) -> Path | None:
     if not compiler or not source.is_file():
         return None
     texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # its includes
-    extra = _X86_FLAGS if platform.machine().lower() in ("x86_64", "amd64") else []
+    wide = os.environ.get("VLLM_COURSE_CPU_WIDE_VECTORS", "1") != "0"
+    extra = _X86_FLAGS if wide and platform.machine().lower() in ("x86_64", "amd64") else []
     flag_sets = [[*flags, *extra] if "-march=native" in flags else flags for flags in _FLAG_SETS]
     key = hashlib.sha256(b"\0".join([*texts, compiler.encode(), platform.machine().encode(), _cpu_id().encode(),
                                       repr(flag_sets).encode()])).hexdigest()[:16]  # flags: a new set rebuilds

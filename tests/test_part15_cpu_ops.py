@@ -296,6 +296,25 @@ def test_a_build_without_openmp_or_march_gives_the_same_results(ops, tmp_path, m
     torch.testing.assert_close(a(x), b(x), atol=1e-5, rtol=1e-5)
 
 
+def test_the_wide_vectors_switch_is_a_build_of_its_own_with_the_same_maths(ops, tmp_path, monkeypatch):
+    """VLLM_COURSE_CPU_WIDE_VECTORS=0 leaves GCC's own vector width: the flags are in the build's
+    cache key, so each setting gets its own library, and both compute the same SiLU and norm (to
+    float rounding: another vector width may contract other multiply-adds)."""
+    monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
+    builds = {}
+    for wide in ("1", "0"):
+        monkeypatch.setenv("VLLM_COURSE_CPU_WIDE_VECTORS", wide)
+        builds[wide] = cpu_build.build(cpu_ops.SOURCE)
+    assert builds["1"] is not None and builds["0"] is not None and builds["1"] != builds["0"]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(33, 2 * 1536, generator=g) * 5
+    wide, narrow = cpu_ops.bind(builds["1"]), cpu_ops.bind(builds["0"])
+    torch.testing.assert_close(CpuSiluAndMul(wide)(x), CpuSiluAndMul(narrow)(x), atol=1e-6, rtol=1e-6)
+    a, _, _ = norms(576, wide)
+    b, _, _ = norms(576, narrow)
+    torch.testing.assert_close(a(x[:, :576]), b(x[:, :576]), atol=1e-5, rtol=1e-5)
+
+
 def test_an_moe_model_on_the_kernels_keeps_hf_greedy(tmp_path):
     """Qwen2-MoE: the MoE factory wraps the kernels' factory; a dense layer and the shared expert
     build their MLPs through it."""
