@@ -198,7 +198,8 @@ def measure_system(system: BenchSystem, workload: Workload, progress: bool = Tru
 
 def measure_interleaved(systems: Sequence[BenchSystem], workload: Workload, progress: bool,
                         rounds: int) -> list[SystemResult]:
-    """Round 1 of every system, then round 2 of every system, ...; each round's fastest counts.
+    """Round 1 of every system, then round 2 of every system in the reverse order, ...; each
+    system's fastest round counts.
     A shared machine's noise comes and goes over minutes: interleaved, a slow spell slows one
     round of several systems rather than every round of one. Systems with a costly start-up
     (`keep_loaded`: the vLLM peer) stay loaded and are reset between rounds; our engines load
@@ -209,8 +210,10 @@ def measure_interleaved(systems: Sequence[BenchSystem], workload: Workload, prog
 def _interleave(runs: list[_Measurement], rounds: int) -> list[SystemResult]:
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    for _ in range(rounds):
-        for m in runs:
+    for r in range(rounds):
+        # Every other round in reverse: a machine speeding up (or slowing down) over a run would
+        # otherwise always favour the systems late (or early) in a round.
+        for m in (runs if r % 2 == 0 else runs[::-1]):
             m.round()
             if not getattr(m.system, "keep_loaded", False):
                 m.close()
