@@ -53,7 +53,9 @@ def build(source: Path, compiler: str | None = None) -> Path | None:
     texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # its includes
     wide = os.environ.get("VLLM_COURSE_CPU_WIDE_VECTORS", "1") != "0"
     extra = _X86_FLAGS if wide and platform.machine().lower() in ("x86_64", "amd64") else []
-    flag_sets = [[*flags, *extra] if "-march=native" in flags else flags for flags in _FLAG_SETS]
+    # Each -march=native line first with the extra flags, then without (a compiler too old to know them).
+    flag_sets = [line for flags in _FLAG_SETS
+                 for line in ([[*flags, *extra], flags] if extra and "-march=native" in flags else [flags])]
     key = hashlib.sha256(b"\0".join([*texts, compiler.encode(), platform.machine().encode(), _cpu_id().encode(),
                                       repr(flag_sets).encode()])).hexdigest()[:16]  # flags: a new set rebuilds
     target = cache_root() / f"{source.stem}-{key}.so"

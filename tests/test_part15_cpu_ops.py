@@ -315,6 +315,23 @@ def test_the_wide_vectors_switch_is_a_build_of_its_own_with_the_same_maths(ops, 
     torch.testing.assert_close(a(x[:, :576]), b(x[:, :576]), atol=1e-5, rtol=1e-5)
 
 
+def test_a_compiler_that_refuses_the_wide_flag_still_builds_with_openmp(tmp_path, monkeypatch):
+    """The 512-bit preference is an extra: a compiler that does not know it gets the same line
+    without it, not the plain -O2 fallback (which has no OpenMP and no -march)."""
+    monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
+    run, tried = cpu_build.subprocess.run, []
+
+    def refuse_the_flag(cmd, *args, **kwargs):
+        tried.append(cmd)
+        if "-mprefer-vector-width=512" in cmd:
+            return cpu_build.subprocess.CompletedProcess(cmd, 1, "", "unrecognized command-line option")
+        return run(cmd, *args, **kwargs)
+    monkeypatch.setattr(cpu_build.subprocess, "run", refuse_the_flag)
+    assert cpu_build.build(cpu_ops.SOURCE) is not None
+    assert "-fopenmp" in tried[-1] and "-march=native" in tried[-1]
+    assert "-mprefer-vector-width=512" not in tried[-1]
+
+
 def test_an_moe_model_on_the_kernels_keeps_hf_greedy(tmp_path):
     """Qwen2-MoE: the MoE factory wraps the kernels' factory; a dense layer and the shared expert
     build their MLPs through it."""
