@@ -46,7 +46,7 @@ def bind(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gemm.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i32]
-    lib.gemm.restype = None
+    lib.gemm.restype = i32
     lib.gemm_pack_weight.argtypes = [ptr, i64, i64, ptr]
     lib.gemm_pack_weight.restype = None
     lib.gemm_panel_width.restype = lib.gemm_threaded.restype = i32
@@ -87,9 +87,10 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: 
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
-    if rows.shape[0]:
-        lib.gemm(rows.shape[0], n, rows.shape[1], rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                 out.data_ptr(), n, None if bias is None else bias.data_ptr(), torch.get_num_threads())
+    if rows.shape[0] and lib.gemm(rows.shape[0], n, rows.shape[1], rows.data_ptr(), rows.stride(0),
+                                  packed.data_ptr(), out.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                                  torch.get_num_threads()):
+        raise MemoryError("CPU GEMM: no memory for its copy of x")
     return out if flat else out.view(*x.shape[:-1], n)
 
 

@@ -14,26 +14,33 @@
 
    The micro-kernel keeps an MR x NR block of y in MR x 2 vector registers and walks k from 0 to
    K-1: each step loads the panel's two vectors, broadcasts one x value per row and adds the
-   products (FMA). MR rows and two vectors are what the registers hold: 12 x 2 of AVX-512's 32
-   zmm, 6 x 2 of AVX2's 16 ymm, 4 x 2 of SSE's 16 xmm.
+   products (FMA). MR rows and two vectors are what the registers hold: 14 x 2 of AVX-512's 32 zmm
+   (with the two panel vectors and the broadcast, 31), 6 x 2 of AVX2's 16 ymm, 4 x 2 of SSE's 16
+   xmm. A block's rows of x are first copied k-major ([K][rows], "packed"), so the broadcasts of a
+   step read consecutive floats through one pointer instead of MR rows `ldx` apart, and the loop
+   body is unrolled twice: fewer instructions a step besides the FMAs, which is what kept the
+   kernel at ~85% of oneDNN's rate on large products (12 x 2, x unpacked: 195-215 GFLOP/s against
+   its 230-240; 14 x 2 packed: 210-235).
 
    Every output sums its K products in the same order, k = 0, 1, ..., K-1, starting from zero,
    whatever M is, how rows are cut into blocks and which thread takes a panel: a row's result does
    not depend on how many rows share the call. (The engine needs that: a seeded request must
    sample the same alone or in a batch.) The bias is added last.
 
-   Rows are cut into blocks of at most MR, as evenly as possible (32 rows: 11, 11, 10, not 12, 12,
-   8). A panel is read from DRAM by its first block and from L2 by the next ones, so while a panel
+   Rows are cut into blocks of at most MR, as evenly as possible (32 rows: 11, 11, 10, not 14, 14,
+   4). A panel is read from DRAM by its first block and from L2 by the next ones, so while a panel
    is worked on, the next panel is asked for into L2, spread over all the blocks' steps (a burst
    at one block's start would stall on the core's miss buffers): 1.25x faster at 32 rows with
    30 layers' weights out of cache. Large M is cut into chunks of rows whose x fits in L2
    (~512 KiB) and each chunk walks all panels; threads (OpenMP, torch's own) take panels. */
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
 #define VW 16
-#define MR 12
+#define MR 14
 #elif defined(__AVX__)
 #define VW 8
 #define MR 6
@@ -70,27 +77,43 @@ void gemm_pack_weight(const float *w, int64_t N, int64_t K, float *out) {
             }
 }
 
-/* y[0:mr, 0:nc] = x[0:mr, :] . panel (+ bias). `mr` is a constant where it is inlined (panel()),
-   so the accumulators are registers. `pf`: bytes of the next panel to ask for, `pf_step` a step. */
-static inline __attribute__((always_inline)) void micro(const int mr, int64_t K, const float *x, int64_t ldx,
-                                                         const float *w, float *y, int64_t ldy, int nc,
-                                                         const float *bias, const char *pf, int64_t pf_step) {
+/* y[0:mr, 0:nc] = x . panel (+ bias), x packed [K][mr]. `mr` is a constant where it is inlined
+   (panel()), so the accumulators are registers. `pf`: bytes of the next panel to ask for, `pf_step`
+   a step. The unrolled pairs of steps keep each sum's order (k, then k + 1). */
+static inline __attribute__((always_inline)) void micro(const int mr, int64_t K, const float *x, const float *w,
+                                                         float *y, int64_t ldy, int nc, const float *bias,
+                                                         const char *pf, int64_t pf_step) {
     vec a0[MR], a1[MR];
     for (int i = 0; i < mr; i++) {
         a0[i] = (vec){0};
         a1[i] = (vec){0};
     }
-    for (int64_t k = 0; k < K; k++) {
-        vec w0, w1;
-        memcpy(&w0, w + k * NR, sizeof w0);
-        memcpy(&w1, w + k * NR + VW, sizeof w1);
-        if (pf) __builtin_prefetch(pf + k * pf_step, 0, 2);
-        for (int i = 0; i < mr; i++) {
-            const float xv = x[i * ldx + k];
-            a0[i] += xv * w0;
-            a1[i] += xv * w1;
+#define STEP(k)                                          \
+    {                                                    \
+        vec w0, w1;                                      \
+        memcpy(&w0, w + (k) * NR, sizeof w0);            \
+        memcpy(&w1, w + (k) * NR + VW, sizeof w1);       \
+        for (int i = 0; i < mr; i++) {                   \
+            const float xv = x[(k) * mr + i];            \
+            a0[i] += xv * w0;                            \
+            a1[i] += xv * w1;                            \
+        }                                                \
+    }
+    int64_t k = 0;
+    if (pf) {  /* two loops, so the one without a prefetch has no test in it */
+        for (; k + 2 <= K; k += 2) {
+            __builtin_prefetch(pf + k * pf_step, 0, 2);
+            STEP(k)
+            __builtin_prefetch(pf + (k + 1) * pf_step, 0, 2);
+            STEP(k + 1)
+        }
+    } else {
+        for (; k + 2 <= K; k += 2) {
+            STEP(k) STEP(k + 1)
         }
     }
+    if (k < K) STEP(k)
+#undef STEP
     for (int i = 0; i < mr; i++) {
         float t[NR];
         memcpy(t, &a0[i], sizeof a0[i]);
@@ -105,24 +128,28 @@ static inline __attribute__((always_inline)) void micro(const int mr, int64_t K,
     }
 }
 
-/* One panel against M rows, in `blocks` blocks; `next`: the panel after it (NULL: none). */
-static void panel(int64_t M, int64_t blocks, int64_t K, const float *x, int64_t ldx, const float *w, float *y,
-                  int64_t ldy, int nc, const float *bias, const float *next) {
+/* Row block b of M rows cut into `blocks`: its first row and its row count. */
+static inline int64_t block_start(int64_t M, int64_t blocks, int64_t b) { return M * b / blocks; }
+
+/* One panel against M rows of packed x (block b at xp + block_start * K), in `blocks` blocks;
+   `next`: the panel after it (NULL: none). */
+static void panel(int64_t M, int64_t blocks, int64_t K, const float *xp, const float *w, float *y, int64_t ldy,
+                  int nc, const float *bias, const float *next) {
     const int64_t pf_step = NR * (int64_t)sizeof(float) / blocks;
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t m = M * b / blocks;
-        const int rows = (int)(M * (b + 1) / blocks - m);
+        const int64_t m = block_start(M, blocks, b);
+        const int rows = (int)(block_start(M, blocks, b + 1) - m);
         const char *pf = next ? (const char *)next + b * (K * NR * (int64_t)sizeof(float) / blocks) : 0;
-        const float *xb = x + m * ldx;
+        const float *xb = xp + m * K;
         float *yb = y + m * ldy;
         switch (rows) {
-#define ROWS(r) case r: micro(r, K, xb, ldx, w, yb, ldy, nc, bias, pf, pf_step); break;
+#define ROWS(r) case r: micro(r, K, xb, w, yb, ldy, nc, bias, pf, pf_step); break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #if MR > 4
         ROWS(5) ROWS(6)
 #endif
 #if MR > 6
-        ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
+        ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14)
 #endif
 #undef ROWS
         default: break;
@@ -130,21 +157,58 @@ static void panel(int64_t M, int64_t blocks, int64_t K, const float *x, int64_t 
     }
 }
 
-/* y[M, N] = x[M, K] . W^T (+ bias[N]); wp: W packed by gemm_pack_weight. */
-void gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy,
-          const float *bias, int num_threads) {
+/* The calling thread's buffer for packed x (one chunk), kept for its next call and freed when the
+   thread ends. */
+static pthread_key_t xpack_key;
+static pthread_once_t xpack_once = PTHREAD_ONCE_INIT;
+static __thread float *xpack;
+static __thread int64_t xpack_floats;
+static void xpack_key_make(void) { pthread_key_create(&xpack_key, free); }
+
+static float *xpack_buffer(int64_t floats) {
+    if (floats > xpack_floats) {
+        float *grown = malloc(floats * sizeof(float));
+        if (!grown) return 0;
+        free(xpack);
+        xpack = grown;
+        xpack_floats = floats;
+        pthread_once(&xpack_once, xpack_key_make);
+        pthread_setspecific(xpack_key, xpack);
+    }
+    return xpack;
+}
+
+/* y[M, N] = x[M, K] . W^T (+ bias[N]); wp: W packed by gemm_pack_weight. 0, or -1 when the buffer
+   for packed x could not be had (y untouched). */
+int gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy,
+         const float *bias, int num_threads) {
     const int64_t panels = (N + NR - 1) / NR;
     int64_t chunk = CHUNK_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
     if (chunk < MR) chunk = MR;
     if (num_threads < 1) num_threads = 1;
+    float *const xp = xpack_buffer((M < chunk ? M : chunk) * K);
+    if (!xp) return -1;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
         const int64_t blocks = (rows + MR - 1) / MR;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            const int nc = (p + 1) * NR <= N ? NR : (int)(N - p * NR);
-            panel(rows, blocks, K, x + m0 * ldx, ldx, wp + p * K * NR, y + m0 * ldy + p * NR, ldy, nc,
-                  bias ? bias + p * NR : 0, p + 1 < panels ? wp + (p + 1) * K * NR : 0);
+        const float *xs = x + m0 * ldx;
+#pragma omp parallel num_threads(num_threads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {  /* block b's rows, k-major */
+                const int64_t m = block_start(rows, blocks, b);
+                const int r = (int)(block_start(rows, blocks, b + 1) - m);
+                float *dst = xp + m * K;
+                for (int64_t k = 0; k < K; k++)
+                    for (int i = 0; i < r; i++) dst[k * r + i] = xs[(m + i) * ldx + k];
+            }
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                const int nc = (p + 1) * NR <= N ? NR : (int)(N - p * NR);
+                panel(rows, blocks, K, xp, wp + p * K * NR, y + m0 * ldy + p * NR, ldy, nc,
+                      bias ? bias + p * NR : 0, p + 1 < panels ? wp + (p + 1) * K * NR : 0);
+            }
         }
     }
+    return 0;
 }
