@@ -40,6 +40,24 @@ def test_the_flat_forward_equals_the_modules_bit_for_bit(tmp_path, family, kw):
     assert flat.dtype == modules.dtype and torch.equal(flat, modules)
 
 
+def test_the_elementwise_kernels_are_called_without_their_modules(tmp_path, monkeypatch):
+    """The norms, the rotary embedding and SiLU go straight to their kernels (their forwards are
+    not called), with the same bits; positions the kernel does not take (int32) still work."""
+    from part15_full.cpu_ops import CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
+
+    r = runner(checkpoint(tmp_path))
+    ids, positions = torch.randint(0, COMMON["vocab_size"], (9,), generator=torch.Generator().manual_seed(1)), \
+        torch.arange(9)
+    with torch.no_grad(), set_forward_context(NoCacheAttention(r.model.config.head_dim ** -0.5)):
+        modules, modules_int32 = r.model(ids, positions), r.model(ids, positions.int())
+        with monkeypatch.context() as m:
+            for cls in (CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul):
+                m.setattr(cls, "forward", lambda *a, **k: pytest.fail("a module's forward was called"))
+            flat = r.flat_forward(ids, positions)
+        flat_int32 = r.flat_forward(ids, positions.int())  # the rotary module's own (torch) path
+    assert torch.equal(flat, modules) and torch.equal(flat_int32, modules_int32)
+
+
 def test_the_engine_keeps_its_tokens_logprobs_and_hf_greedy(tmp_path, monkeypatch):
     """One continuous batch (prefills beside decodes) through the paged attention kernel, with the
     flat forward and without it: the same tokens and the same logprobs, bit for bit, and HF's
