@@ -72,9 +72,9 @@ def _norm(norm: RMSNorm, dtype: torch.dtype) -> Callable:
     def call(x, residual=None):
         if residual is None:
             out = torch.empty_like(x)
-            rms(x.data_ptr(), out.data_ptr(), weight, x.shape[0], hidden, eps)
+            rms(x.data_ptr(), out.data_ptr(), weight, x.numel() // hidden, hidden, eps)
             return out
-        fused_add(x.data_ptr(), residual.data_ptr(), weight, x.shape[0], hidden, eps)
+        fused_add(x.data_ptr(), residual.data_ptr(), weight, x.numel() // hidden, hidden, eps)
         return x, residual
     return call
 
@@ -98,16 +98,16 @@ def _rotary(rotary: RotaryEmbedding, dtype: torch.dtype) -> Callable:
 
 
 def _silu(act: SiluAndMul, dtype: torch.dtype) -> Callable:
-    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]: CpuSiluAndMul.forward's kernel."""
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:]: CpuSiluAndMul.forward's kernel."""
     kernels = _kernels(act, dtype) if type(act) is CpuSiluAndMul else None
     if kernels is None:
         return act.forward
     fn = kernels.silu_and_mul
 
     def call(x):
-        half = x.shape[1] // 2
-        out = torch.empty((x.shape[0], half), dtype=x.dtype)
-        fn(x.data_ptr(), out.data_ptr(), x.shape[0], half)
+        half = x.shape[-1] // 2
+        out = x.new_empty(*x.shape[:-1], half)
+        fn(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], half)
         return out
     return call
 
