@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.layers import Linear, QuantizationConfig, UnquantizedLinearMethod
+from shared.layers import Linear, MergedLinear, QuantizationConfig, UnquantizedLinearMethod
 
 from .cpu_build import CSRC, build
 
@@ -49,6 +49,10 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.gemm.restype = i32
     lib.gemm_pack_weight.argtypes = [ptr, i64, i64, ptr]
     lib.gemm_pack_weight.restype = None
+    lib.gemm_gated.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
+    lib.gemm_gated.restype = i32
+    lib.gemm_pack_weight_gated.argtypes = [ptr, i64, i64, ptr]
+    lib.gemm_pack_weight_gated.restype = None
     lib.gemm_panel_width.restype = lib.gemm_threaded.restype = i32
     return lib
 
@@ -79,6 +83,29 @@ def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def pack_weight_gated(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate/up weight [2I, K] fp32 (gate rows, then up rows) -> panels of gate and up columns
+    side by side, [ceil(I / VW) * K * NR] floats (VW = NR / 2)."""
+    n, k = weight.shape
+    nr = lib.gemm_panel_width()
+    weight = weight.detach().contiguous()
+    packed = torch.empty((n // 2 + nr // 2 - 1) // (nr // 2) * k * nr, dtype=torch.float32)
+    lib.gemm_pack_weight_gated(weight.data_ptr(), n // 2, k, packed.data_ptr())
+    return packed
+
+
+def gemm_gated(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, inter: int, silu: bool) -> torch.Tensor:
+    """x [T, K] fp32 against a gate/up weight packed by pack_weight_gated -> silu(gate) * up [T, inter]
+    (`silu`: the MLP's activation in the GEMM's last step), or gate | up [T, 2 inter] as gemm gives."""
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    n = inter if silu else 2 * inter
+    out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    if rows.shape[0] and lib.gemm_gated(rows.shape[0], inter, rows.shape[1], rows.data_ptr(), rows.stride(0),
+                                        packed.data_ptr(), out.data_ptr(), n, int(silu), torch.get_num_threads()):
+        raise MemoryError("CPU GEMM: no memory for its copy of x")
+    return out
+
+
 def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
          ) -> torch.Tensor:
     """x [..., K] fp32 @ W^T (+ bias) with W packed by pack_weight -> [..., n]."""
@@ -94,9 +121,18 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: 
     return out if flat else out.view(*x.shape[:-1], n)
 
 
+def is_gate_up(layer: nn.Module) -> bool:
+    """Two stacked projections of one size and no bias: the MLP's gate/up (gate rows first)."""
+    if not isinstance(layer, MergedLinear) or getattr(layer, "bias", None) is not None or len(layer.shards) != 2:
+        return False
+    (start0, size0), (start1, size1) = layer.shards.values()
+    return start0 == 0 and start1 == size0 == size1 and 2 * size0 == layer.weight.shape[0]
+
+
 class CpuGemmLinearMethod(UnquantizedLinearMethod):
     """The dense method, with an fp32 CPU weight packed for the kernel (`layer.gemm_weight`)
-    instead of for oneDNN."""
+    instead of for oneDNN. A gate/up weight is packed gated (`layer.gemm_gated`): its forward gives
+    the same bits, and the flat forward (flat_forward.py) can end the GEMM with the activation."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
@@ -108,7 +144,8 @@ class CpuGemmLinearMethod(UnquantizedLinearMethod):
         if w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and (
                 bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
             layer.packed_weight = None  # no oneDNN copy beside ours
-            layer.gemm_weight = pack_weight(self.lib, w)
+            layer.gemm_gated = is_gate_up(layer)
+            layer.gemm_weight = (pack_weight_gated if layer.gemm_gated else pack_weight)(self.lib, w)
         else:
             super().process_weights_after_loading(layer)
 
@@ -116,6 +153,10 @@ class CpuGemmLinearMethod(UnquantizedLinearMethod):
         packed = getattr(layer, "gemm_weight", None)
         if packed is None or x.dtype != torch.float32 or torch.compiler.is_compiling():
             return super().apply(layer, x, bias)
+        if layer.gemm_gated:
+            flat = x.reshape(-1, x.shape[-1])
+            return gemm_gated(self.lib, flat, packed, layer.weight.shape[0] // 2, False).view(
+                *x.shape[:-1], layer.weight.shape[0])
         return gemm(self.lib, x, packed, layer.weight.shape[0], bias)
 
 

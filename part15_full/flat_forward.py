@@ -34,7 +34,7 @@ from shared.forward_context import get_forward_context
 from shared.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
 from shared.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
-from .cpu_gemm import CpuGemmLinearMethod, gemm
+from .cpu_gemm import CpuGemmLinearMethod, gemm, gemm_gated
 from .cpu_ops import CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
 
 ENABLED = os.environ.get("VLLM_COURSE_FLAT_FORWARD", "1") != "0"
@@ -45,6 +45,8 @@ def _linear(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     method, bias, packed = layer.quant_method, layer.bias, getattr(layer, "gemm_weight", None)
     if isinstance(method, CpuGemmLinearMethod) and packed is not None:
         lib, n = method.lib, layer.weight.shape[0]
+        if layer.gemm_gated:
+            return lambda x: gemm_gated(lib, x, packed, n // 2, False)
         return lambda x: gemm(lib, x, packed, n, bias)
     apply = method.apply
     return lambda x: apply(layer, x, bias)
@@ -112,6 +114,19 @@ def _silu(act: SiluAndMul, dtype: torch.dtype) -> Callable:
     return call
 
 
+def _gate_up_act(gate_up: Linear, act: SiluAndMul, dtype: torch.dtype) -> Callable:
+    """x -> act(gate_up(x)). With the gate/up weight packed gated and CpuSiluAndMul's kernel, one GEMM
+    whose last step is the activation: the [T, 2I] gate | up never goes to memory and back, and the
+    activation's call is gone. The same operations as the two calls, so the same bits."""
+    method, packed = gate_up.quant_method, getattr(gate_up, "gemm_weight", None)
+    if (isinstance(method, CpuGemmLinearMethod) and packed is not None and gate_up.gemm_gated
+            and dtype == torch.float32 and _kernels(act, dtype) is not None and type(act) is CpuSiluAndMul):
+        lib, inter = method.lib, gate_up.weight.shape[0] // 2
+        return lambda x: gemm_gated(lib, x, packed, inter, True)
+    linear, silu = _linear(gate_up), _silu(act, dtype)
+    return lambda x: silu(linear(x))
+
+
 def _is_plain(model: torch.nn.Module) -> bool:
     """The Llama decoder as shared/model.py writes it, eager, every projection a Linear.forward."""
     if type(model) is not LlamaForCausalLM or "forward" in vars(model):  # compiled: forward replaced
@@ -145,13 +160,13 @@ class FlatForward:
             self.layers.append((_norm(layer.input_layernorm, dtype), _linear(attn.qkv_proj), heads_split,
                                 attn.num_heads, attn.num_kv_heads, attn.head_dim, _rotary(attn.rotary, dtype),
                                 attn.layer_idx, _linear(attn.o_proj), _norm(layer.post_attention_layernorm, dtype),
-                                _linear(mlp.gate_up_proj), _silu(mlp.act, dtype), _linear(mlp.down_proj)))
+                                _gate_up_act(mlp.gate_up_proj, mlp.act, dtype), _linear(mlp.down_proj)))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         attend, metadata = ctx.backend.forward, ctx.metadata
         x, residual = self.embed(input_ids), None
-        for in_norm, qkv, sizes, heads, kv_heads, d, rotary, idx, o, post_norm, gate_up, act, down in self.layers:
+        for in_norm, qkv, sizes, heads, kv_heads, d, rotary, idx, o, post_norm, gate_up_act, down in self.layers:
             # LlamaDecoderLayer.forward, with LlamaAttention's and LlamaMLP's inlined.
             if residual is None:
                 residual, x = x, in_norm(x)
@@ -163,7 +178,7 @@ class FlatForward:
             q, k = rotary(positions, q, k)
             x = o(attend(idx, q, k, v, metadata).reshape(t, heads * d))
             x, residual = post_norm(x, residual)
-            x = down(act(gate_up(x)))
+            x = down(gate_up_act(x))
         x, _ = self.norm(x, residual)
         return x
 

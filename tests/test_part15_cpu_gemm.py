@@ -86,6 +86,28 @@ def test_strided_and_batched_inputs_and_no_rows(lib):
     assert run(lib, torch.empty(0, 64), w).shape == (0, 33)
 
 
+def gated(lib, x, w, silu):
+    return cpu_gemm.gemm_gated(lib, x, cpu_gemm.pack_weight_gated(lib, w), w.shape[0] // 2, silu)
+
+
+@pytest.mark.parametrize("inter", [40, 96])  # off the vector width (2.5 of 16), and a whole number of them
+def test_the_gated_packing_gives_the_plain_bits_and_its_activation_silu_and_muls(lib, inter):
+    """The MLP's gate/up weight packed gate column beside up column: gate | up the same bits as the
+    plain packing, at any row count; with the activation as the GEMM's last step, the bits
+    fused_ops_cpu.c's silu_and_mul gives on them (so the flat forward keeps the modules' bits)."""
+    from part15_full.cpu_ops import load_ops
+
+    g = torch.Generator().manual_seed(inter)
+    x, w = 3 * torch.randn(31, 200, generator=g), torch.randn(2 * inter, 200, generator=g)  # gates up to ~+-150
+    plain = run(lib, x, w)
+    for rows in (1, 14, 15, 31):
+        assert torch.equal(gated(lib, x[:rows], w, False), plain[:rows]), rows
+    act = torch.empty(31, inter)
+    load_ops()[torch.float32].silu_and_mul(plain.data_ptr(), act.data_ptr(), 31, inter)
+    assert torch.equal(gated(lib, x, w, True), act)
+    torch.testing.assert_close(act, torch.nn.functional.silu(plain[:, :inter]) * plain[:, inter:])
+
+
 @pytest.mark.parametrize("flags", [["-O3", "-march=haswell", "-fopenmp"], ["-O2"]], ids=["avx2", "plain"])
 def test_the_avx2_and_plain_builds(flags, tmp_path, monkeypatch):
     """The narrower micro-kernels (6 rows x 16 on AVX2, 4 x 8 without -march): the same bound and
@@ -102,6 +124,7 @@ def test_the_avx2_and_plain_builds(flags, tmp_path, monkeypatch):
     assert_within_bound(full, x, w, b)
     for rows in (1, 7, 13):
         assert torch.equal(run(plain, x[:rows], w, b), full[:rows])
+    assert torch.equal(gated(plain, x[:13], w[:36], False), run(plain, x[:13], w[:36]))  # 18 off the vectors
 
 
 @pytest.fixture
@@ -132,6 +155,7 @@ def test_the_engine_puts_every_linear_layer_on_it_and_keeps_the_logits(tmp_path,
     for m in linears(model):
         assert isinstance(m.quant_method, CpuGemmLinearMethod)
         assert m.gemm_weight is not None and m.packed_weight is None  # ours instead of oneDNN's
+    assert [m.gemm_gated for m in linears(model)] == [m.prefix.endswith("gate_up_proj") for m in linears(model)]
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     dense = load_model(path, torch.device("cpu"), torch.float32)
     torch.testing.assert_close(logits(model, ids), logits(dense, ids), atol=1e-4, rtol=1e-4)

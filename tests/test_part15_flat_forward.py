@@ -58,6 +58,33 @@ def test_the_elementwise_kernels_are_called_without_their_modules(tmp_path, monk
     assert torch.equal(flat, modules) and torch.equal(flat_int32, modules_int32)
 
 
+def test_the_mlp_ends_its_gate_up_gemm_with_the_activation(tmp_path, monkeypatch):
+    """On the GEMM kernel (forced on, whatever the build) the gate/up weight is packed gated and each
+    layer's MLP input is one GEMM whose last step is SiLU: the activation's kernel is not called,
+    and the hidden states are the modules' bit for bit (gate/up, then silu_and_mul)."""
+    import part15_full.cpu_gemm as cpu_gemm
+    from part15_full.cpu_ops import CpuSiluAndMul
+
+    monkeypatch.setattr(cpu_gemm, "SWITCH", "1")
+    cpu_gemm.load_gemm.cache_clear()
+    try:
+        r = runner(checkpoint(tmp_path))
+    finally:
+        cpu_gemm.load_gemm.cache_clear()
+    assert all(layer.mlp.gate_up_proj.gemm_gated and not layer.mlp.down_proj.gemm_gated
+               and not layer.self_attn.qkv_proj.gemm_gated for layer in r.model.layers)
+    fused, real = [], flat_forward.gemm_gated
+    monkeypatch.setattr(flat_forward, "gemm_gated", lambda *a: fused.append(a[-1]) or real(*a))
+    ids = torch.randint(0, COMMON["vocab_size"], (23,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), set_forward_context(NoCacheAttention(r.model.config.head_dim ** -0.5)):
+        modules = r.model(ids, torch.arange(23))
+        with monkeypatch.context() as m:
+            m.setattr(CpuSiluAndMul, "forward", lambda *a, **k: pytest.fail("the activation was called"))
+            flat = r.flat_forward(ids, torch.arange(23))
+    assert fused == [True] * len(r.model.layers)
+    assert torch.equal(flat, modules)
+
+
 def test_the_engine_keeps_its_tokens_logprobs_and_hf_greedy(tmp_path, monkeypatch):
     """One continuous batch (prefills beside decodes) through the paged attention kernel, with the
     flat forward and without it: the same tokens and the same logprobs, bit for bit, and HF's

@@ -33,6 +33,8 @@
    at one block's start would stall on the core's miss buffers): 1.25x faster at 32 rows with
    30 layers' weights out of cache. Large M is cut into chunks of rows whose x fits in L2
    (~512 KiB) and each chunk walks all panels; threads (OpenMP, torch's own) take panels. */
+#include "vec_math.h"
+
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -77,12 +79,32 @@ void gemm_pack_weight(const float *w, int64_t N, int64_t K, float *out) {
             }
 }
 
+/* The MLP's gate/up weight [2I, K] (gate rows, then up rows) packed so that panel p holds gate
+   columns p*VW .. p*VW+VW-1 in its first vector and the same up columns in its second: the two
+   halves of silu(gate) * up meet in one micro-kernel's registers. Out: [ceil(I / VW)][K][NR]. */
+void gemm_pack_weight_gated(const float *w, int64_t I, int64_t K, float *out) {
+    const int64_t panels = (I + VW - 1) / VW;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int j = 0; j < NR; j++) {
+                const int64_t n = p * VW + j % VW;
+                out[(p * K + k) * NR + j] = n < I ? w[((j < VW ? 0 : I) + n) * K + k] : 0.f;
+            }
+}
+
+/* What a panel's MR x NR block becomes. PLAIN: y's NR columns (+ bias). A gated panel (above):
+   GATE_UP writes its gate vector to columns 0.. and its up vector `up` columns further on, the
+   layout a plain packing gives (gate | up); SILU writes silu(gate) * up, computed as
+   fused_ops_cpu.c's silu_and_mul does (the same operations, so the same bits). */
+enum { PLAIN, GATE_UP, SILU };
+
 /* y[0:mr, 0:nc] = x . panel (+ bias), x packed [K][mr]. `mr` is a constant where it is inlined
    (panel()), so the accumulators are registers. `pf`: bytes of the next panel to ask for, `pf_step`
    a step. The unrolled pairs of steps keep each sum's order (k, then k + 1). */
 static inline __attribute__((always_inline)) void micro(const int mr, int64_t K, const float *x, const float *w,
                                                          float *y, int64_t ldy, int nc, const float *bias,
-                                                         const char *pf, int64_t pf_step) {
+                                                         const char *pf, int64_t pf_step, int mode, int64_t up) {
     vec a0[MR], a1[MR];
     for (int i = 0; i < mr; i++) {
         a0[i] = (vec){0};
@@ -119,7 +141,20 @@ static inline __attribute__((always_inline)) void micro(const int mr, int64_t K,
         memcpy(t, &a0[i], sizeof a0[i]);
         memcpy(t + VW, &a1[i], sizeof a1[i]);
         float *row = y + i * ldy;
-        if (bias)
+        if (mode == GATE_UP) {
+            if (nc == VW) {  /* a constant size: vector stores, not a call */
+                memcpy(row, t, VW * sizeof(float));
+                memcpy(row + up, t + VW, VW * sizeof(float));
+            } else
+                for (int j = 0; j < nc; j++) row[j] = t[j], row[up + j] = t[VW + j];
+        } else if (mode == SILU) {
+            float o[VW];
+            for (int j = 0; j < VW; j++) o[j] = t[j] * reciprocal(1.f + exp_approx(-t[j])) * t[VW + j];  /* vectorized */
+            if (nc == VW)
+                memcpy(row, o, sizeof o);
+            else
+                for (int j = 0; j < nc; j++) row[j] = o[j];
+        } else if (bias)
             for (int j = 0; j < nc; j++) row[j] = t[j] + bias[j];
         else if (nc == NR)
             memcpy(row, t, sizeof t);
@@ -132,9 +167,12 @@ static inline __attribute__((always_inline)) void micro(const int mr, int64_t K,
 static inline int64_t block_start(int64_t M, int64_t blocks, int64_t b) { return M * b / blocks; }
 
 /* One panel against M rows of packed x (block b at xp + block_start * K), in `blocks` blocks;
-   `next`: the panel after it (NULL: none). */
-static void panel(int64_t M, int64_t blocks, int64_t K, const float *xp, const float *w, float *y, int64_t ldy,
-                  int nc, const float *bias, const float *next) {
+   `next`: the panel after it (NULL: none). Inlined with `mode` a constant (see run), so each
+   mode's loops are compiled apart and the plain one is what it was before modes. */
+static inline __attribute__((always_inline)) void panel(int64_t M, int64_t blocks, int64_t K, const float *xp,
+                                                         const float *w, float *y, int64_t ldy, int nc,
+                                                         const float *bias, const float *next, const int mode,
+                                                         int64_t up) {
     const int64_t pf_step = NR * (int64_t)sizeof(float) / blocks;
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t m = block_start(M, blocks, b);
@@ -143,7 +181,7 @@ static void panel(int64_t M, int64_t blocks, int64_t K, const float *xp, const f
         const float *xb = xp + m * K;
         float *yb = y + m * ldy;
         switch (rows) {
-#define ROWS(r) case r: micro(r, K, xb, w, yb, ldy, nc, bias, pf, pf_step); break;
+#define ROWS(r) case r: micro(r, K, xb, w, yb, ldy, nc, bias, pf, pf_step, mode, up); break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #if MR > 4
         ROWS(5) ROWS(6)
@@ -178,11 +216,11 @@ static float *xpack_buffer(int64_t floats) {
     return xpack;
 }
 
-/* y[M, N] = x[M, K] . W^T (+ bias[N]); wp: W packed by gemm_pack_weight. 0, or -1 when the buffer
-   for packed x could not be had (y untouched). */
-int gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy,
-         const float *bias, int num_threads) {
-    const int64_t panels = (N + NR - 1) / NR;
+/* y = x[M, K] . W^T over `panels` panels of `cols` output columns each (the last: to N), each panel
+   ending as `mode` says. 0, or -1 when the buffer for packed x could not be had (y untouched). */
+static int run(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp, float *y,
+               int64_t ldy, const float *bias, int num_threads, int cols, int mode) {
+    const int64_t panels = (N + cols - 1) / cols;
     int64_t chunk = CHUNK_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
     if (chunk < MR) chunk = MR;
     if (num_threads < 1) num_threads = 1;
@@ -204,11 +242,29 @@ int gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const flo
             }
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
-                const int nc = (p + 1) * NR <= N ? NR : (int)(N - p * NR);
-                panel(rows, blocks, K, xp, wp + p * K * NR, y + m0 * ldy + p * NR, ldy, nc,
-                      bias ? bias + p * NR : 0, p + 1 < panels ? wp + (p + 1) * K * NR : 0);
+                const int nc = (p + 1) * cols <= N ? cols : (int)(N - p * cols);
+                const float *w = wp + p * K * NR, *next = p + 1 < panels ? w + K * NR : 0;
+                float *yp = y + m0 * ldy + p * cols;
+                if (mode == PLAIN) panel(rows, blocks, K, xp, w, yp, ldy, nc, bias ? bias + p * cols : 0, next, PLAIN, 0);
+                else if (mode == GATE_UP) panel(rows, blocks, K, xp, w, yp, ldy, nc, 0, next, GATE_UP, N);
+                else panel(rows, blocks, K, xp, w, yp, ldy, nc, 0, next, SILU, 0);
             }
         }
     }
     return 0;
+}
+
+/* y[M, N] = x[M, K] . W^T (+ bias[N]); wp: W packed by gemm_pack_weight. 0, or -1 when the buffer
+   for packed x could not be had (y untouched). */
+int gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy,
+         const float *bias, int num_threads) {
+    return run(M, N, K, x, ldx, wp, y, ldy, bias, num_threads, NR, PLAIN);
+}
+
+/* The gate/up GEMM on a weight packed by gemm_pack_weight_gated ([2I, K], I = `inter`): with `silu`,
+   y[M, I] = silu(x G^T) * (x U^T); without, y[M, 2I] = x G^T | x U^T, what gemm gives on the plain
+   packing, bit for bit (each output sums its K products in the same order either way). */
+int gemm_gated(int64_t M, int64_t inter, int64_t K, const float *x, int64_t ldx, const float *wp, float *y,
+               int64_t ldy, int silu, int num_threads) {
+    return run(M, inter, K, x, ldx, wp, y, ldy, 0, num_threads, VW, silu ? SILU : GATE_UP);
 }
