@@ -11,7 +11,10 @@ How. Each linear layer gets its quantize method from the factory's quant config 
 as part 14's weight formats do; with no quantization asked, a CPU model runner hands in
 `CpuGemmConfig`, whose method keeps the dense weight (loaders, the tied embedding and tests read
 it) and, after loading, a copy packed for the kernel in place of oneDNN's. Another dtype, a layer
-the kernel cannot take and torch.compile's tracing fall back to the dense method. A row's result
+the kernel cannot take and torch.compile's tracing fall back to the dense method. The MLP's gate/up
+weight is packed with gate and up columns side by side, so that the flat forward can end its GEMM
+with the activation (`gemm_gated`); the layer's own forward gets gate | up from it, the same bits.
+A row's result
 does not depend on how many rows share the call (the kernel sums every output in one order), so a
 seeded request samples the same alone and in a batch, as with oneDNN.
 

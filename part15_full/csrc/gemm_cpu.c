@@ -10,7 +10,9 @@
    Layout. The weight [N, K] is packed once, at load time, into panels of NR output columns:
    panel p holds W[p*NR : p*NR+NR, :] transposed, [K][NR], so a step of k reads NR consecutive
    floats (two vector registers); the last panel is padded with zeros. x [M, K] rows are `ldx`
-   floats apart, y [M, N] rows `ldy` apart.
+   floats apart, y [M, N] rows `ldy` apart. The MLP's gate/up weight may be packed gated instead
+   (gemm_pack_weight_gated: a panel's two vectors are 16 gate columns and the same 16 up
+   columns), so that its GEMM can end with the activation (gemm_gated).
 
    The micro-kernel keeps an MR x NR block of y in MR x 2 vector registers and walks k from 0 to
    K-1: each step loads the panel's two vectors, broadcasts one x value per row and adds the
