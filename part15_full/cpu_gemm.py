@@ -14,9 +14,8 @@ it) and, after loading, a copy packed for the kernel in place of oneDNN's. Anoth
 the kernel cannot take and torch.compile's tracing fall back to the dense method. The MLP's gate/up
 weight is packed with gate and up columns side by side, so that the flat forward can end its GEMM
 with the activation (`gemm_gated`); the layer's own forward gets gate | up from it, the same bits.
-A row's result
-does not depend on how many rows share the call (the kernel sums every output in one order), so a
-seeded request samples the same alone and in a batch, as with oneDNN.
+A row's result does not depend on how many rows share the call (the kernel sums every output in one
+order), so a seeded request samples the same alone and in a batch, as with oneDNN.
 
 Which build. The kernel is compiled for this CPU (-march=native, cpu_build.py); it is the default
 where that build has AVX-512 (measured), and oneDNN stays the default elsewhere (AVX2: not measured
