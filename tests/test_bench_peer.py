@@ -162,6 +162,18 @@ def test_broken_peer_fails_with_a_clear_error(fake, mode, message):
     assert "--- last lines" not in table
 
 
+def test_the_table_gives_the_round_by_round_ratio():
+    """With interleaved rounds, each pair's ratio besides the best rounds' (which can fall in
+    different spells of a noisy machine): the median and the range of peer wall / ours."""
+    machine = {"device": "cpu", "dtype": "float32", "cpu_threads": 2, "torch": "t", "transformers": "t"}
+    ours = SystemResult("ours", wall_s=10.0, notes={"round_walls_s": [10.0, 20.0, 12.0]})
+    peer = SystemResult("vllm", wall_s=13.0, notes={"round_walls_s": [13.0, 22.0, 30.0]})
+    table = format_table(ThroughputResult(_workload().describe(), machine, [ours, peer]))
+    assert "round by round: vllm's wall over ours' 1.30x (median of 3), 1.10-2.50x" in table
+    single = SystemResult("vllm", wall_s=13.0)  # one round: no such line
+    assert "round by round" not in format_table(ThroughputResult(_workload().describe(), machine, [ours, single]))
+
+
 def test_crash_shows_the_runner_log(fake):
     res = measure_system(fake("crash_load"), _workload(), progress=False)
     assert "fake vLLM: out of memory" in res.error  # the log tail rides along, after line 1

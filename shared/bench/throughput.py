@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -416,6 +417,15 @@ def format_table(res: ThroughputResult) -> str:
         ours = res.systems[0]
         if not ours.error and ours.wall_s:
             lines.append(f"  ours runs at {f['bound_s'] / ours.wall_s:.0%} of the floor")
+    # The best rounds can fall in different spells of a noisy machine; the interleaved rounds' own
+    # ratios (each pair run back to back) say how steady the ratio was.
+    base = res.systems[0].notes.get("round_walls_s") if not res.systems[0].error else None
+    for s in res.systems[1:]:
+        walls = s.notes.get("round_walls_s")
+        if base and walls and len(walls) == len(base) and not s.error:
+            r = sorted(w / o for w, o in zip(walls, base))
+            lines.append(f"  round by round: {s.name}'s wall over ours' {statistics.median(r):.2f}x (median of "
+                         f"{len(r)}), {r[0]:.2f}-{r[-1]:.2f}x")
     for s in res.systems:
         if s.notes:
             shown = {k: v for k, v in s.notes.items() if k != "traceback"}
