@@ -69,31 +69,27 @@ int gemm_threaded(void) {
 #endif
 }
 
-/* w [N, K] row-major -> out [ceil(N / NR)][K][NR], zero padded. */
-void gemm_pack_weight(const float *w, int64_t N, int64_t K, float *out) {
-    const int64_t panels = (N + NR - 1) / NR;
+/* Panels of `cols` output columns (below N), each [K][NR]: column j of panel p is output column
+   p * cols + j % cols, read from row `at` of w [rows, K]; zero past N. */
+static void pack(const float *w, int64_t N, int64_t K, float *out, int gated) {
+    const int cols = gated ? VW : NR;
+    const int64_t panels = (N + cols - 1) / cols;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t k = 0; k < K; k++)
             for (int j = 0; j < NR; j++) {
-                const int64_t n = p * NR + j;
-                out[(p * K + k) * NR + j] = n < N ? w[n * K + k] : 0.f;
+                const int64_t n = p * cols + j % cols, at = n + (j < cols ? 0 : N); /* gated: up rows after N */
+                out[(p * K + k) * NR + j] = n < N ? w[at * K + k] : 0.f;
             }
 }
+
+/* w [N, K] row-major -> out [ceil(N / NR)][K][NR], zero padded. */
+void gemm_pack_weight(const float *w, int64_t N, int64_t K, float *out) { pack(w, N, K, out, 0); }
 
 /* The MLP's gate/up weight [2I, K] (gate rows, then up rows) packed so that panel p holds gate
    columns p*VW .. p*VW+VW-1 in its first vector and the same up columns in its second: the two
    halves of silu(gate) * up meet in one micro-kernel's registers. Out: [ceil(I / VW)][K][NR]. */
-void gemm_pack_weight_gated(const float *w, int64_t I, int64_t K, float *out) {
-    const int64_t panels = (I + VW - 1) / VW;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t k = 0; k < K; k++)
-            for (int j = 0; j < NR; j++) {
-                const int64_t n = p * VW + j % VW;
-                out[(p * K + k) * NR + j] = n < I ? w[((j < VW ? 0 : I) + n) * K + k] : 0.f;
-            }
-}
+void gemm_pack_weight_gated(const float *w, int64_t I, int64_t K, float *out) { pack(w, I, K, out, 1); }
 
 /* What a panel's MR x NR block becomes. PLAIN: y's NR columns (+ bias). A gated panel (above):
    GATE_UP writes its gate vector to columns 0.. and its up vector `up` columns further on, the
