@@ -12,9 +12,11 @@ How. After loading, `build_flat_forward` checks that the model is the plain Llam
 forward this file repeats (every layer a LlamaDecoderLayer with LlamaAttention and LlamaMLP, its
 linear layers running Linear.forward, no torch.compile), and collects for each layer the bound
 methods its modules would call. A linear layer on the CPU GEMM kernel (cpu_gemm.py) becomes one
-direct call of the kernel (cpu_gemm.gemm), its weight bound once. The loop makes the calls the
-modules make, in their order, through the same kernels, so the hidden states are the same bit for
-bit (tests/test_part15_flat_forward.py); only the Python between the kernels is gone. Anything else
+direct call of the kernel (cpu_gemm.gemm), its weight bound once; the MLP's gate/up product and its
+SiLU become one (cpu_gemm.gemm_gated, the activation as the GEMM's last step). The loop makes the
+modules' calls in their order, through the same kernels and arithmetic, so the hidden states are
+the same bit for bit (tests/test_part15_flat_forward.py); only the Python between the kernels and
+the gate/up output's trip through memory are gone. Anything else
 (tensor parallelism, MoE blocks, a compiled model, a GPU) keeps the modules.
 
 Built once after loading: weights changed later need a new one. Off-switch:

@@ -87,7 +87,7 @@ INLINE void rotate_token(const int64_t *positions, int64_t t, void *q, int64_t q
 INLINE void silu_and_mul_row(const void *x, void *out, int64_t t, int64_t I, const int bf16) {
     for (int64_t i = 0; i < I; i++) {
         const float g = load_elem(x, t * 2 * I + i, bf16), u = load_elem(x, t * 2 * I + I + i, bf16);
-        store_elem(out, t * I + i, g * reciprocal(1.f + exp_approx(-g)) * u, bf16);
+        store_elem(out, t * I + i, silu_mul(g, u), bf16);
     }
 }
 

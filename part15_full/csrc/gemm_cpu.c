@@ -93,8 +93,8 @@ void gemm_pack_weight_gated(const float *w, int64_t I, int64_t K, float *out) { 
 
 /* What a panel's MR x NR block becomes. PLAIN: y's NR columns (+ bias). A gated panel (above):
    GATE_UP writes its gate vector to columns 0.. and its up vector `up` columns further on, the
-   layout a plain packing gives (gate | up); SILU writes silu(gate) * up, computed as
-   fused_ops_cpu.c's silu_and_mul does (the same operations, so the same bits). */
+   layout a plain packing gives (gate | up); SILU writes silu(gate) * up through vec_math.h's
+   silu_mul, as fused_ops_cpu.c's silu_and_mul does (the same operations, so the same bits). */
 enum { PLAIN, GATE_UP, SILU };
 
 /* y[0:mr, 0:nc] = x . panel (+ bias), x packed [K][mr]. `mr` is a constant where it is inlined
@@ -147,7 +147,7 @@ static inline __attribute__((always_inline)) void micro(const int mr, int64_t K,
                 for (int j = 0; j < nc; j++) row[j] = t[j], row[up + j] = t[VW + j];
         } else if (mode == SILU) {
             float o[VW];
-            for (int j = 0; j < VW; j++) o[j] = t[j] * reciprocal(1.f + exp_approx(-t[j])) * t[VW + j];  /* vectorized */
+            for (int j = 0; j < VW; j++) o[j] = silu_mul(t[j], t[VW + j]);  /* vectorized */
             if (nc == VW)
                 memcpy(row, o, sizeof o);
             else

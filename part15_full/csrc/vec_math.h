@@ -49,6 +49,10 @@ static inline float reciprocal(float d) {
     return r * (2.f - d * r);
 }
 
+/* silu(g) * u = g / (1 + e^-g) * u, for the MLP's activation: fused_ops_cpu.c's silu_and_mul and
+   the end of gemm_cpu.c's gate/up GEMM both call this, so the two give the same bits. */
+static inline float silu_mul(float g, float u) { return g * reciprocal(1.f + exp_approx(-g)) * u; }
+
 /* bf16 is the top half of an fp32 (same exponent, 7 fraction bits): widening is a shift, narrowing
    rounds to nearest even (a NaN stays a quiet NaN). Written without branches or calls, so loops of
    them vectorize. The kernels compute in fp32 and round once, where they store. */
