@@ -98,12 +98,12 @@ def test_the_gated_packing_gives_the_plain_bits_and_its_activation_silu_and_muls
     from part15_full.cpu_ops import load_ops
 
     g = torch.Generator().manual_seed(inter)
-    x, w = 3 * torch.randn(31, 200, generator=g), torch.randn(2 * inter, 200, generator=g)  # gates up to ~+-150
+    x, w = 3 * torch.randn(130, 200, generator=g), torch.randn(2 * inter, 200, generator=g)  # gates up to ~+-150
     plain = run(lib, x, w)
-    for rows in (1, 14, 15, 31):
+    for rows in (1, 14, 15, 31, 130):  # 130: threads take rows, not panels (gemm_cpu.c's SPLIT_ROWS)
         assert torch.equal(gated(lib, x[:rows], w, False), plain[:rows]), rows
-    act = torch.empty(31, inter)
-    load_ops()[torch.float32].silu_and_mul(plain.data_ptr(), act.data_ptr(), 31, inter)
+    act = torch.empty(130, inter)
+    load_ops()[torch.float32].silu_and_mul(plain.data_ptr(), act.data_ptr(), 130, inter)
     assert torch.equal(gated(lib, x, w, True), act)
     gate, up = plain.double().chunk(2, -1)  # and it is silu(gate) * up, within test_part15_cpu_ops' bound
     torch.testing.assert_close(act.double(), torch.nn.functional.silu(gate) * up, atol=1e-30, rtol=1e-6)

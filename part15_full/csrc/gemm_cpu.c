@@ -34,7 +34,10 @@
    is worked on, the next panel is asked for into L2, spread over all the blocks' steps (a burst
    at one block's start would stall on the core's miss buffers): 1.25x faster at 32 rows with
    30 layers' weights out of cache. Large M is cut into chunks of rows whose x fits in L2
-   (~512 KiB) and each chunk walks all panels; threads (OpenMP, torch's own) take panels. */
+   (~512 KiB) and each chunk walks all panels. Threads (OpenMP, torch's own) take panels at a
+   decode step's few rows, and chunks of rows from SPLIT_ROWS rows a thread (a prefill's): each
+   thread then packs its own rows and nothing waits between packing and multiplying (1.03-1.05x
+   on 128-974 rows). */
 #include "vec_math.h"
 
 #include <pthread.h>
@@ -54,6 +57,7 @@
 #endif
 #define NR (2 * VW)
 #define CHUNK_BYTES (512 * 1024)
+#define SPLIT_ROWS 56 /* rows a thread needs before threads take rows instead of panels */
 
 typedef float vec __attribute__((vector_size(VW * 4)));
 
@@ -214,6 +218,31 @@ static float *xpack_buffer(int64_t floats) {
     return xpack;
 }
 
+/* Block b .. b1 - 1 of `rows` rows of x (rows `ldx` apart) into xp, each block k-major ([K][its rows]). */
+static void pack_rows(int64_t rows, int64_t blocks, int64_t b, int64_t b1, int64_t K, const float *x, int64_t ldx,
+                      float *xp) {
+    for (; b < b1; b++) {
+        const int64_t m = block_start(rows, blocks, b);
+        const int r = (int)(block_start(rows, blocks, b + 1) - m);
+        float *dst = xp + m * K;
+        for (int64_t k = 0; k < K; k++)
+            for (int i = 0; i < r; i++) dst[k * r + i] = x[(m + i) * ldx + k];
+    }
+}
+
+/* Panel p of `panels` against `rows` rows of packed x, ending as `mode` says (run's arguments). */
+static inline __attribute__((always_inline)) void one_panel(int64_t p, int64_t panels, int64_t rows, int64_t blocks,
+                                                             int64_t N, int64_t K, const float *xp, const float *wp,
+                                                             float *y, int64_t ldy, const float *bias, int cols,
+                                                             int mode) {
+    const int nc = (p + 1) * cols <= N ? cols : (int)(N - p * cols);
+    const float *w = wp + p * K * NR, *next = p + 1 < panels ? w + K * NR : 0;
+    float *yp = y + p * cols;
+    if (mode == PLAIN) panel(rows, blocks, K, xp, w, yp, ldy, nc, bias ? bias + p * cols : 0, next, PLAIN, 0);
+    else if (mode == GATE_UP) panel(rows, blocks, K, xp, w, yp, ldy, nc, 0, next, GATE_UP, N);
+    else panel(rows, blocks, K, xp, w, yp, ldy, nc, 0, next, SILU, 0);
+}
+
 /* y = x[M, K] . W^T over `panels` panels of `cols` output columns each (the last: to N), each panel
    ending as `mode` says. 0, or -1 when the buffer for packed x could not be had (y untouched). */
 static int run(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp, float *y,
@@ -222,6 +251,35 @@ static int run(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, con
     int64_t chunk = CHUNK_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
     if (chunk < MR) chunk = MR;
     if (num_threads < 1) num_threads = 1;
+    if (num_threads > 1 && M >= num_threads * SPLIT_ROWS) {
+        /* Threads take rows: the same number of chunks each, cut as evenly as possible (974 rows on
+           2 threads: 6 of 162-163), each packed into the thread's own buffer and run against every
+           panel. A thread's x stays in its own L2 and nothing waits between packing and multiplying. */
+        const int64_t chunks = (M + num_threads * chunk - 1) / (num_threads * chunk) * num_threads;
+        int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+        {
+            if (!xpack_buffer((M + chunks - 1) / chunks * K)) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp barrier
+            int skip; /* the same for every thread (read after the barrier): all of them or none meet the loop */
+#pragma omp atomic read
+            skip = failed;
+            if (!skip) {
+#pragma omp for schedule(static)
+                for (int64_t c = 0; c < chunks; c++) {
+                    const int64_t m0 = M * c / chunks, rows = M * (c + 1) / chunks - m0, blocks = (rows + MR - 1) / MR;
+                    pack_rows(rows, blocks, 0, blocks, K, x + m0 * ldx, ldx, xpack);
+                    for (int64_t p = 0; p < panels; p++)
+                        one_panel(p, panels, rows, blocks, N, K, xpack, wp, y + m0 * ldy, ldy, bias, cols, mode);
+                }
+            }
+        }
+        return failed ? -1 : 0;
+    }
+    /* Fewer rows (a decode step's): threads take panels, so a weight is read once for all rows. */
     float *const xp = xpack_buffer((M < chunk ? M : chunk) * K);
     if (!xp) return -1;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
@@ -231,22 +289,10 @@ static int run(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, con
 #pragma omp parallel num_threads(num_threads)
         {
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {  /* block b's rows, k-major */
-                const int64_t m = block_start(rows, blocks, b);
-                const int r = (int)(block_start(rows, blocks, b + 1) - m);
-                float *dst = xp + m * K;
-                for (int64_t k = 0; k < K; k++)
-                    for (int i = 0; i < r; i++) dst[k * r + i] = xs[(m + i) * ldx + k];
-            }
+            for (int64_t b = 0; b < blocks; b++) pack_rows(rows, blocks, b, b + 1, K, xs, ldx, xp);
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
-                const int nc = (p + 1) * cols <= N ? cols : (int)(N - p * cols);
-                const float *w = wp + p * K * NR, *next = p + 1 < panels ? w + K * NR : 0;
-                float *yp = y + m0 * ldy + p * cols;
-                if (mode == PLAIN) panel(rows, blocks, K, xp, w, yp, ldy, nc, bias ? bias + p * cols : 0, next, PLAIN, 0);
-                else if (mode == GATE_UP) panel(rows, blocks, K, xp, w, yp, ldy, nc, 0, next, GATE_UP, N);
-                else panel(rows, blocks, K, xp, w, yp, ldy, nc, 0, next, SILU, 0);
-            }
+            for (int64_t p = 0; p < panels; p++)
+                one_panel(p, panels, rows, blocks, N, K, xp, wp, y + m0 * ldy, ldy, bias, cols, mode);
         }
     }
     return 0;
