@@ -154,14 +154,19 @@ class CpuPagedAttention:
                 and heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256
                 and k_cache.shape[1] <= 256)
 
+    def plan(self, metadata: PagedAttentionMetadata, group: int, block_size: int, dtype: torch.dtype) -> _Plan:
+        """The step's rows as the kernel takes them, made by its first layer and kept for the others
+        (`group`: query heads per KV head)."""
+        if metadata is not self._metadata:
+            tile_rows = max(1, self.lanes // group)
+            self._metadata, self._plan = metadata, _plan(metadata, block_size, dtype, tile_rows, self.short_run)
+        return self._plan
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: PagedAttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KV, D] as PagedAttention.forward takes them -> [T, H, D]."""
         block_size = k_cache.shape[1]
-        if metadata is not self._metadata:
-            tile_rows = max(1, self.lanes // (q.shape[1] // k_cache.shape[2]))
-            self._metadata, self._plan = metadata, _plan(metadata, block_size, q.dtype, tile_rows, self.short_run)
-        plan, bf16 = self._plan, q.dtype == torch.bfloat16
+        plan, bf16 = self.plan(metadata, q.shape[1] // k_cache.shape[2], block_size, q.dtype), q.dtype == torch.bfloat16
         heads_packed = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
         num_slots = k_cache.shape[0] * block_size
         if heads_packed and k.dtype == v.dtype == k_cache.dtype and plan.slots.numel() == k.shape[0]:

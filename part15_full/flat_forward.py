@@ -19,8 +19,13 @@ the same bit for bit (tests/test_part15_flat_forward.py); only the Python betwee
 the gate/up output's trip through memory are gone. Anything else
 (tensor parallelism, MoE blocks, a compiled model, a GPU) keeps the modules.
 
-Built once after loading: weights changed later need a new one. Off-switch:
-VLLM_COURSE_FLAT_FORWARD=0.
+When every call is one of the part's C kernels (fp32 on the GEMM kernel, the paged attention kernel,
+no KV connector), a step goes one further (BoundLayers): the kernels called through ctypes on plain
+integers, the weights' addresses taken once and the step's buffers reused by every layer, so that
+a layer is nine ctypes calls and nothing else.
+
+Built once after loading: weights changed later need a new one. Off-switches:
+VLLM_COURSE_FLAT_FORWARD=0 (the modules), VLLM_COURSE_FLAT_BOUND=0 (this loop, not BoundLayers).
 
 In vLLM v0.33.0: on a GPU, vllm/compilation/cuda_graph.py (CUDAGraphWrapper) replays captured
 steps; on a CPU vLLM compiles the model (vllm/compilation/), and Inductor's generated wrapper is
@@ -38,8 +43,10 @@ from shared.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, Ll
 
 from .cpu_gemm import CpuGemmLinearMethod, gemm, gemm_gated
 from .cpu_ops import CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
+from .paged_attention import PagedAttention
 
 ENABLED = os.environ.get("VLLM_COURSE_FLAT_FORWARD", "1") != "0"
+BOUND = os.environ.get("VLLM_COURSE_FLAT_BOUND", "1") != "0"
 
 
 def _linear(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -129,6 +136,142 @@ def _gate_up_act(gate_up: Linear, act: SiluAndMul, dtype: torch.dtype) -> Callab
     return lambda x: silu(linear(x))
 
 
+class BoundLayers:
+    """The same loop when every call in it is one of the part's C kernels: each call made straight
+    through ctypes with plain integers, the weights' addresses taken once, a step's buffers made
+    once and reused by all its layers.
+
+    Why. Even called directly, a kernel's Python wrapper costs more than a decode step's kernel
+    does at a few rows: cpu_gemm.gemm spends ~12 us checking its input, allocating the output and
+    asking tensors for their addresses around a ~6 us ctypes call, and the attention wrapper
+    more. Nine such calls a layer, 30 layers: a few ms a step. Here a step asks for its tensors'
+    addresses once and a layer is nine ctypes calls on integers. This is what a CUDA graph does
+    on a GPU, by hand: fixed buffers, so that the calls can be laid down once and replayed.
+
+    When. `build` (after loading) checks each layer's modules as FlatForward's do; a step (`__call__`)
+    also needs the part's PagedAttention on the CPU kernel with no KV connector (part 13 hooks the
+    layers) and a plan with no long prefill (those go to SDPA). Otherwise the step runs
+    FlatForward's loop. The same kernels in the same order on the same inputs: the same bits.
+    Off-switch: VLLM_COURSE_FLAT_BOUND=0."""
+
+    def __init__(self, lib, layers, hidden: int, heads: int, kv_heads: int, d: int, inter: int):
+        self.lib, self.layers = lib, layers
+        self.hidden, self.heads, self.kv_heads, self.d, self.inter = hidden, heads, kv_heads, d, inter
+        self._backend = self._caches = None
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> BoundLayers | None:
+        """None unless every layer runs on the C kernels in fp32, with one shape."""
+        f32, libs, layers, keep, shapes = torch.float32, set(), [], [], set()
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if not all(type(n) is CpuRMSNorm and n.weight.dtype == f32 and _kernels(n, f32) for n in norms):
+                return None
+            rotary = attn.rotary
+            if not (type(rotary) is CpuRotaryEmbedding and rotary.cos.dtype == f32 and _kernels(rotary, f32)
+                    and type(mlp.act) is CpuSiluAndMul and _kernels(mlp.act, f32)):
+                return None
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m.quant_method, CpuGemmLinearMethod) and getattr(m, "gemm_weight", None)
+                       is not None and m.gemm_gated == (m is mlp.gate_up_proj) for m in linears):
+                return None
+            if mlp.gate_up_proj.bias is not None:
+                return None
+            shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_up_proj.weight.shape[0] // 2))
+            libs |= {m.quant_method.lib for m in linears}
+            bound = [*norms, rotary.cos, rotary.sin, *(m.gemm_weight for m in linears), attn.qkv_proj.bias,
+                     attn.o_proj.bias, mlp.down_proj.bias]
+            keep += [t for t in bound if t is not None]  # held: their addresses must stay theirs
+            ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731 (None -> a NULL bias)
+            layers.append((norms[0].weight.data_ptr(), norms[0].eps, attn.qkv_proj.gemm_weight.data_ptr(),
+                           ptr(attn.qkv_proj.bias), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
+                           rotary.cos.shape[0], attn.layer_idx, attn.o_proj.gemm_weight.data_ptr(),
+                           ptr(attn.o_proj.bias), norms[1].weight.data_ptr(), norms[1].eps,
+                           mlp.gate_up_proj.gemm_weight.data_ptr(), mlp.down_proj.gemm_weight.data_ptr(),
+                           ptr(mlp.down_proj.bias)))
+        if len(libs) != 1 or len(shapes) != 1 or model.embed_tokens.weight.dtype != f32:
+            return None
+        self = cls(libs.pop(), layers, model.embed_tokens.weight.shape[1], *shapes.pop())
+        self.tensors = keep
+        self.ops = _kernels(model.layers[0].input_layernorm, f32)
+        self.rotary = _kernels(model.layers[0].self_attn.rotary, f32).rotary_embedding
+        return self
+
+    def _layer_caches(self, backend) -> list | None:
+        """Each layer's K and V pool addresses, for a backend this loop can call (else None)."""
+        if backend is not self._backend:
+            self._backend, self._caches = backend, None
+            kernel = getattr(backend, "cpu_kernel", None)
+            k_cache = getattr(backend, "k_cache", None)
+            if (type(backend) is PagedAttention and kernel is not None and not backend.use_triton
+                    and k_cache.dtype == torch.float32 and k_cache.shape[3] == self.kv_heads
+                    and k_cache.shape[4] == self.d and self.heads // self.kv_heads <= 16 and self.d <= 256
+                    and k_cache.shape[2] <= 256):
+                self._caches = [(backend.k_cache[i].data_ptr(), backend.v_cache[i].data_ptr())
+                                for i in range(k_cache.shape[0])]
+        return self._caches
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, backend, metadata, final_norm) -> torch.Tensor | None:
+        """x: the embedded tokens [T, hidden] (they become the residual) -> the hidden states after
+        the final norm, or None when this step cannot run here (FlatForward's loop runs it)."""
+        caches = self._layer_caches(backend)
+        if caches is None or backend.kv_connector is not None or positions.dtype != torch.int64 \
+                or not positions.is_contiguous():
+            return None
+        t, hidden, heads, kv_heads, d = x.shape[0], self.hidden, self.heads, self.kv_heads, self.d
+        block_size = backend.k_cache.shape[2]
+        plan = backend.cpu_kernel.plan(metadata, heads // kv_heads, block_size, torch.float32)
+        if plan.long or plan.slots.numel() != t or positions.numel() != t or not t:
+            return None
+        lib, ops, rotary = self.lib, self.ops, self.rotary
+        gemm_, gated, rms, fused_add = lib.gemm, lib.gemm_gated, ops.rms_norm, ops.fused_add_rms_norm
+        store_kv, attend = backend.cpu_kernel.lib.store_kv, backend.cpu_kernel.lib.paged_attention_rows
+        # The step's buffers: every layer writes the same ones (each is read before the next layer
+        # writes it again); `down` ends as the returned hidden states, so a step never sees another's.
+        width = (heads + 2 * kv_heads) * d
+        qkv, out = torch.empty(t, width), torch.empty(t, heads * d)
+        o, act, down = torch.empty(t, hidden), torch.empty(t, self.inter), torch.empty(t, hidden)
+        qkv_p, out_p, o_p, act_p, down_p = qkv.data_ptr(), out.data_ptr(), o.data_ptr(), act.data_ptr(), down.data_ptr()
+        k_p, v_p = qkv_p + 4 * heads * d, qkv_p + 4 * (heads + kv_heads) * d  # the K and V heads of a row
+        res = x  # the residual, summed in place
+        res_p, pos_p, threads, num_slots = res.data_ptr(), positions.data_ptr(), torch.get_num_threads(), \
+            backend.k_cache.shape[1] * block_size
+        tables, scale = plan.tables, backend.scale
+        attention = (plan.tables.data_ptr(), tables.stride(0), plan.row_idx.data_ptr(), plan.row_seq.data_ptr(),
+                     plan.row_len.data_ptr(), plan.tiles.data_ptr(), plan.tiled.data_ptr(), plan.tiled.numel(),
+                     heads, kv_heads, d, block_size, scale, out_p, heads * d, threads, 0)
+        slots_p, inter = plan.slots.data_ptr(), self.inter
+        first = True
+        for (in_w, in_eps, qkv_w, qkv_b, cos, sin, table, idx, o_w, o_b, post_w, post_eps, gate_up_w, down_w,
+             down_b) in self.layers:
+            if first:  # LlamaDecoderLayer: the first layer's residual is the embedding, normed apart
+                rms(res_p, o_p, in_w, t, hidden, in_eps)
+                normed, first = o_p, False
+            else:
+                fused_add(down_p, res_p, in_w, t, hidden, in_eps)
+                normed = down_p
+            if gemm_(t, width, hidden, normed, hidden, qkv_w, qkv_p, width, qkv_b, threads):
+                raise MemoryError("CPU GEMM: no memory for its copy of x")
+            if rotary(pos_p, t, qkv_p, width, heads, k_p, width, kv_heads, d, cos, sin, table):
+                raise IndexError(f"a position is outside the rotary table (0..{table - 1})")
+            k_cache, v_cache = caches[idx]
+            if store_kv(k_p, width, v_p, width, k_cache, v_cache, slots_p, t, kv_heads * d, num_slots, 0):
+                raise IndexError(f"a slot is past the KV pool's {num_slots}")
+            status = attend(qkv_p, width, k_cache, v_cache, *attention)
+            if status:
+                raise MemoryError("CPU paged attention: no buffers") if status == -2 else AssertionError(status)
+            if gemm_(t, hidden, heads * d, out_p, heads * d, o_w, o_p, hidden, o_b, threads):
+                raise MemoryError("CPU GEMM: no memory for its copy of x")
+            fused_add(o_p, res_p, post_w, t, hidden, post_eps)
+            if gated(t, inter, hidden, o_p, hidden, gate_up_w, act_p, inter, 1, threads) or \
+                    gemm_(t, hidden, inter, act_p, inter, down_w, down_p, hidden, down_b, threads):
+                raise MemoryError("CPU GEMM: no memory for its copy of x")
+        down, _ = final_norm(down, res)
+        return down
+
+
+
 def _is_plain(model: torch.nn.Module) -> bool:
     """The Llama decoder as shared/model.py writes it, eager, every projection a Linear.forward."""
     if type(model) is not LlamaForCausalLM or "forward" in vars(model):  # compiled: forward replaced
@@ -163,11 +306,16 @@ class FlatForward:
                                 attn.num_heads, attn.num_kv_heads, attn.head_dim, _rotary(attn.rotary, dtype),
                                 attn.layer_idx, _linear(attn.o_proj), _norm(layer.post_attention_layernorm, dtype),
                                 _gate_up_act(mlp.gate_up_proj, mlp.act, dtype), _linear(mlp.down_proj)))
+        self.bound = BoundLayers.build(model) if BOUND else None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         attend, metadata = ctx.backend.forward, ctx.metadata
         x, residual = self.embed(input_ids), None
+        if self.bound is not None and x.dim() == 2:
+            out = self.bound(x, positions, ctx.backend, metadata, self.norm)
+            if out is not None:
+                return out
         for in_norm, qkv, sizes, heads, kv_heads, d, rotary, idx, o, post_norm, gate_up_act, down in self.layers:
             # LlamaDecoderLayer.forward, with LlamaAttention's and LlamaMLP's inlined.
             if residual is None:

@@ -111,3 +111,46 @@ def test_no_flat_forward_where_it_does_not_apply(tmp_path, monkeypatch):
     assert runner(save_tiny(tmp_path / "mixtral", mixtral, seed=3)).flat_forward is None  # MoE blocks
     monkeypatch.setattr(flat_forward, "ENABLED", False)  # VLLM_COURSE_FLAT_FORWARD=0
     assert runner(path).flat_forward is None
+
+
+def test_the_bound_loop_keeps_the_bits_and_skips_the_wrappers(tmp_path, monkeypatch):
+    """On the GEMM kernel, a step whose calls are all C kernels runs BoundLayers (ctypes calls on
+    integers, no Python wrappers): the same tokens and logprobs, bit for bit, as FlatForward's loop
+    and as the modules, and HF's greedy. A step with a long fresh prefill (SDPA's, here from 17
+    tokens) falls back to FlatForward's loop, in the same run."""
+    import part15_full.cpu_attention as cpu_attention
+    import part15_full.cpu_gemm as cpu_gemm
+    from part15_full import LLM
+
+    monkeypatch.setattr(cpu_gemm, "SWITCH", "1")
+    monkeypatch.setattr(cpu_attention, "PREFILL_MAX_LEN", {torch.float32: 16})
+    path = checkpoint(tmp_path, "qwen2")  # with a q/k/v bias
+    prompts = [[1, 5, 9, 33, 2, 77], [1, 100, 3], list(range(1, 50)), [7] * 12]
+    results, served, wrapped = {}, [], []
+    real_call, real_attention = flat_forward.BoundLayers.__call__, cpu_attention.CpuPagedAttention.forward
+    monkeypatch.setattr(flat_forward.BoundLayers, "__call__", lambda self, *a: _record(served, real_call(self, *a)))
+    monkeypatch.setattr(cpu_attention.CpuPagedAttention, "forward",
+                        lambda self, *a: wrapped.append(1) or real_attention(self, *a))
+    cpu_gemm.load_gemm.cache_clear()
+    try:
+        for mode in ("bound", "flat", "modules"):
+            monkeypatch.setattr(flat_forward, "BOUND", mode == "bound")
+            monkeypatch.setattr(flat_forward, "ENABLED", mode != "modules")
+            served.clear(), wrapped.clear()
+            with LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory_mb=4) as engine:
+                runner_ = engine.engine.executor.runner
+                assert (runner_.flat_forward is not None and runner_.flat_forward.bound is not None) == (mode == "bound")
+                outs = engine.generate(prompts, greedy(10, logprobs=2))
+            results[mode] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+            if mode == "bound":  # every step but the long prefill's; the wrapper only in that one
+                assert served.count(False) >= 1 and served.count(True) >= 9
+                assert len(wrapped) == served.count(False) * COMMON["num_hidden_layers"]
+    finally:
+        cpu_gemm.load_gemm.cache_clear()
+    assert results["bound"] == results["flat"] == results["modules"]
+    assert [tokens for tokens, _ in results["bound"]] == hf_greedy_tokens(path, prompts, 10)
+
+
+def _record(log, out):
+    log.append(out is not None)
+    return out
