@@ -163,6 +163,7 @@ class BoundLayers:
     def build(cls, model: LlamaForCausalLM) -> BoundLayers | None:
         """None unless every layer runs on the C kernels in fp32, with one shape."""
         f32, libs, layers, keep, shapes = torch.float32, set(), [], [], set()
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731 (None: a NULL bias)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -180,10 +181,9 @@ class BoundLayers:
                 return None
             shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_up_proj.weight.shape[0] // 2))
             libs |= {m.quant_method.lib for m in linears}
-            bound = [*norms, rotary.cos, rotary.sin, *(m.gemm_weight for m in linears), attn.qkv_proj.bias,
-                     attn.o_proj.bias, mlp.down_proj.bias]
+            bound = [*(n.weight for n in norms), rotary.cos, rotary.sin, *(m.gemm_weight for m in linears),
+                     attn.qkv_proj.bias, attn.o_proj.bias, mlp.down_proj.bias]
             keep += [t for t in bound if t is not None]  # held: their addresses must stay theirs
-            ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731 (None -> a NULL bias)
             layers.append((norms[0].weight.data_ptr(), norms[0].eps, attn.qkv_proj.gemm_weight.data_ptr(),
                            ptr(attn.qkv_proj.bias), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
                            rotary.cos.shape[0], attn.layer_idx, attn.o_proj.gemm_weight.data_ptr(),
@@ -212,7 +212,8 @@ class BoundLayers:
                                 for i in range(k_cache.shape[0])]
         return self._caches
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, backend, metadata, final_norm) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, backend, metadata,
+                 final_norm: Callable) -> torch.Tensor | None:
         """x: the embedded tokens [T, hidden] (they become the residual) -> the hidden states after
         the final norm, or None when this step cannot run here (FlatForward's loop runs it)."""
         caches = self._layer_caches(backend)
@@ -232,7 +233,8 @@ class BoundLayers:
         width = (heads + 2 * kv_heads) * d
         qkv, out = torch.empty(t, width), torch.empty(t, heads * d)
         o, act, down = torch.empty(t, hidden), torch.empty(t, self.inter), torch.empty(t, hidden)
-        qkv_p, out_p, o_p, act_p, down_p = qkv.data_ptr(), out.data_ptr(), o.data_ptr(), act.data_ptr(), down.data_ptr()
+        qkv_p, out_p, o_p = qkv.data_ptr(), out.data_ptr(), o.data_ptr()
+        act_p, down_p = act.data_ptr(), down.data_ptr()
         k_p, v_p = qkv_p + 4 * heads * d, qkv_p + 4 * (heads + kv_heads) * d  # the K and V heads of a row
         res = x  # the residual, summed in place
         res_p, pos_p, threads, num_slots = res.data_ptr(), positions.data_ptr(), torch.get_num_threads(), \
@@ -260,7 +262,8 @@ class BoundLayers:
                 raise IndexError(f"a slot is past the KV pool's {num_slots}")
             status = attend(qkv_p, width, k_cache, v_cache, *attention)
             if status:
-                raise MemoryError("CPU paged attention: no buffers") if status == -2 else AssertionError(status)
+                raise MemoryError("CPU paged attention: no memory for its buffers") if status == -2 else \
+                    AssertionError(f"CPU paged attention: status {status}")
             if gemm_(t, hidden, heads * d, out_p, heads * d, o_w, o_p, hidden, o_b, threads):
                 raise MemoryError("CPU GEMM: no memory for its copy of x")
             fused_add(o_p, res_p, post_w, t, hidden, post_eps)
@@ -269,7 +272,6 @@ class BoundLayers:
                 raise MemoryError("CPU GEMM: no memory for its copy of x")
         down, _ = final_norm(down, res)
         return down
-
 
 
 def _is_plain(model: torch.nn.Module) -> bool:

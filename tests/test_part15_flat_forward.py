@@ -1,7 +1,8 @@
 """Part 15's flat forward on a CPU (flat_forward.py): the modules' calls made from one loop, with
 the same kernels in the same order, so the hidden states are the modules' own bit for bit (fp32 on
 the GEMM kernel, a q/k/v bias, bf16, int8 weights); in the engine, tokens and logprobs equal to
-the modules' path and to HF's greedy; and no flat forward where it does not apply (the switch, a
+the modules' path and to HF's greedy; the bound loop (BoundLayers) the same again, falling back to
+the flat loop in a step it cannot run; and no flat forward where it does not apply (the switch, a
 compiled model, MoE blocks)."""
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ def test_the_bound_loop_keeps_the_bits_and_skips_the_wrappers(tmp_path, monkeypa
             served.clear(), wrapped.clear()
             with LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory_mb=4) as engine:
                 runner_ = engine.engine.executor.runner
-                assert (runner_.flat_forward is not None and runner_.flat_forward.bound is not None) == (mode == "bound")
+                flat = runner_.flat_forward
+                assert (flat is not None and flat.bound is not None) == (mode == "bound")
                 outs = engine.generate(prompts, greedy(10, logprobs=2))
             results[mode] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
             if mode == "bound":  # every step but the long prefill's; the wrapper only in that one
