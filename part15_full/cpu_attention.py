@@ -147,12 +147,15 @@ class CpuPagedAttention:
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """fp32 or bf16 (q and the pool alike) on the CPU, within the kernel's fixed buffers (up to
-        16 query heads per KV head, head size and block size up to 256)."""
-        heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
+        """fp32 or bf16 (q and the pool alike) on the CPU, of shapes the kernel takes (`fits`)."""
         return (q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu"
-                and heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256
-                and k_cache.shape[1] <= 256)
+                and CpuPagedAttention.fits(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]))
+
+    @staticmethod
+    def fits(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+        """Within the kernel's fixed buffers: up to 16 query heads per KV head, head size and block
+        size up to 256."""
+        return heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256 and block_size <= 256
 
     def plan(self, metadata: PagedAttentionMetadata, group: int, block_size: int, dtype: torch.dtype) -> _Plan:
         """The step's rows as the kernel takes them, made by its first layer and kept for the others

@@ -205,9 +205,8 @@ class BoundLayers:
             kernel = getattr(backend, "cpu_kernel", None)
             k_cache = getattr(backend, "k_cache", None)
             if (type(backend) is PagedAttention and kernel is not None and not backend.use_triton
-                    and k_cache.dtype == torch.float32 and k_cache.shape[3] == self.kv_heads
-                    and k_cache.shape[4] == self.d and self.heads // self.kv_heads <= 16 and self.d <= 256
-                    and k_cache.shape[2] <= 256):
+                    and k_cache.dtype == torch.float32 and k_cache.shape[3:] == (self.kv_heads, self.d)
+                    and kernel.fits(self.heads, self.kv_heads, self.d, k_cache.shape[2])):
                 self._caches = [(backend.k_cache[i].data_ptr(), backend.v_cache[i].data_ptr())
                                 for i in range(k_cache.shape[0])]
         return self._caches
