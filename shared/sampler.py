@@ -13,11 +13,32 @@ GPU their copy to the host is already queued, see SampledBatch.copy_to_host_asyn
 sampler returns them as host lists."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from .sampling_params import SamplingParams
+
+# The greedy argmax in chunks on a CPU (the off-switch: VLLM_COURSE_CHUNKED_ARGMAX=0).
+CHUNKED_ARGMAX = os.environ.get("VLLM_COURSE_CHUNKED_ARGMAX", "1") != "0"
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a [rows, vocab] tensor: the same indices (the first of equal maxima; a
+    NaN counts as the largest), faster on a CPU. There torch's argmax carries an index beside the
+    running maximum, element by element (2.2 ms for 32 rows of a 49152-token vocabulary on a
+    Cascade Lake Xeon), while a plain maximum is vectorized. So: each chunk's maximum, the first
+    chunk holding the row's maximum, and the argmax inside that chunk alone: 2.5-3x faster from 8
+    rows of 49152 there, 4-6x on a 128256-token vocabulary."""
+    rows, vocab = x.shape
+    chunk = min(vocab & -vocab, 4096)  # the largest power of two dividing the vocabulary, capped
+    if not CHUNKED_ARGMAX or x.device.type != "cpu" or chunk < 128 or vocab == chunk or not rows \
+            or not x.is_contiguous():
+        return x.argmax(dim=-1)
+    blocks = x.view(rows, vocab // chunk, chunk)
+    first = blocks.amax(dim=-1).argmax(dim=-1)  # argmax of equal chunk maxima: the first chunk
+    return first * chunk + blocks[torch.arange(rows), first].argmax(dim=-1)
 
 
 @dataclass
@@ -184,7 +205,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_logprobs) else None
 
         logits = self.process_logits(logits, rows)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             tokens[sampled] = self._sample(logits[sampled], [rows[i] for i in sampled])
@@ -244,7 +265,7 @@ class Sampler:
         probs = Sampler.probs(logits, rows)
         # The exponential race: argmax p_i / E_i with E_i ~ Exp(1) is token i with probability p_i.
         noise = Sampler.exponential_noise(probs, [r.generator for r in rows])
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> SampledBatch:

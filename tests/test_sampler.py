@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.sampler import (Sampler, SamplingRow, apply_penalties, apply_top_k_top_p_min_p,
+from shared.sampler import (Sampler, SamplingRow, apply_penalties, apply_top_k_top_p_min_p, argmax_rows,
                             make_generator)
 from shared.sampling_params import SamplingParams
 
@@ -31,6 +31,27 @@ def test_greedy_is_argmax():
     out = Sampler()(logits, [row(temperature=0.0) for _ in range(16)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs is None
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (33, 49152), (5, 128256), (3, 151936), (4, 50000), (2, 4096)])
+def test_argmax_in_chunks_is_torch_argmax(rows, vocab):
+    """argmax_rows (chunk maxima, then one chunk's argmax) against torch's own argmax, on the rows
+    where a chunked search goes wrong: the maximum tied in two chunks and twice in one (the first
+    wins), a NaN (counts as the largest, the first one wins), a row of -inf (index 0), and the
+    maximum in the last place. Vocabularies with no power-of-two chunk (50000) or a single one
+    (4096) take torch's argmax."""
+    x = random_logits(rows, vocab, seed=rows)
+    x[0, [vocab // 2 + 7, 3]] = 100.0
+    if rows > 4:
+        x[rows - 1, vocab - 1] = 100.0
+    if rows > 2:
+        x[1, [vocab - 2, vocab // 3]] = float("nan")
+        x[2] = float("-inf")
+    if rows > 3:
+        x[3, [vocab - 9, vocab - 5]] = 50.0  # tied inside the last chunk
+    want = x.argmax(dim=-1)
+    assert torch.equal(argmax_rows(x), want)
+    assert want[0] == 3 and (rows <= 4 or want[rows - 1] == vocab - 1)
 
 
 def test_greedy_rows_unaffected_by_sampled_rows_and_top_k_one_is_greedy():
