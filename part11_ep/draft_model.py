@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from shared.model import LlamaForCausalLM
-from shared.sampler import Sampler, SamplingRow
+from shared.sampler import Sampler, SamplingRow, argmax_rows
 from shared.weights import load_model, resolve_model_path
 
 from .paged_attention import PagedAttention
@@ -90,14 +90,14 @@ def sample_drafts(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
     Returns the tokens and q ([rows, V]; greedy rows, which take the argmax and whose q the
     rejection sampler never reads, have a one-hot q)."""
     processed = Sampler.process_logits(logits, rows)
-    tokens = processed.argmax(dim=-1)
+    tokens = argmax_rows(processed)
     q = torch.zeros_like(processed)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         sub = [rows[i] for i in sampled]
         probs = Sampler.probs(processed[sampled], sub)
         noise = Sampler.exponential_noise(probs, [r.generator for r in sub])
-        tokens[sampled] = (probs / noise).argmax(dim=-1)
+        tokens[sampled] = argmax_rows(probs / noise)
         q[sampled] = probs
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.sampler import Sampler, SamplerOutput, SamplingRow
+from shared.sampler import Sampler, SamplerOutput, SamplingRow, argmax_rows
 
 
 def accept_drafts(u: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ class RejectionSampler:
         logits = self.sampler.process_logits(target_logits, rows)
         # Greedy rows: p is a point mass on the argmax, so accept iff draft == argmax, and the
         # argmax is also the recovered or bonus token.
-        candidates = logits.argmax(dim=-1)
+        candidates = argmax_rows(logits)
         accepted = candidates == drafted_t
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
@@ -178,7 +178,7 @@ class RejectionSampler:
         dist = torch.where(empty[:, None], p, dist)
         # The race argmax dist / Exp(1) samples dist normalised: no need to divide by its sum.
         noise = self.sampler.exponential_noise(p, generators)
-        return accept, (dist / noise).argmax(dim=-1)
+        return accept, argmax_rows(dist / noise)
 
     @staticmethod
     def _uniforms(is_draft: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
