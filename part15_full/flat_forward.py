@@ -42,6 +42,8 @@ from shared.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmb
 from shared.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 from .cpu_gemm import CpuGemmLinearMethod, gemm, gemm_gated
+from .cpu_gemm_amx import AmxGemmLinearMethod
+from .cpu_gemm_amx import gemm as amx_gemm
 from .cpu_ops import CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
 from .paged_attention import PagedAttention
 
@@ -57,6 +59,9 @@ def _linear(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         if layer.gemm_gated:
             return lambda x: gemm_gated(lib, x, packed, n // 2, False)
         return lambda x: gemm(lib, x, packed, n, bias)
+    if isinstance(method, AmxGemmLinearMethod) and packed is not None:
+        lib, n = method.lib, layer.weight.shape[0]
+        return lambda x: amx_gemm(lib, x, packed, n, bias)
     apply = method.apply
     return lambda x: apply(layer, x, bias)
 

@@ -33,6 +33,7 @@ from shared.weights import resolve_model_path
 
 from .compilation import compile_model, resolve_compilation_mode
 from .cpu_gemm import CpuGemmConfig, load_gemm
+from .cpu_gemm_amx import AmxGemmConfig, load_amx
 from .cpu_malloc import tune_malloc
 from .cpu_ops import CpuKernelLayers, load_ops
 from .config import EngineConfig
@@ -157,6 +158,9 @@ class ModelRunner:
             gemm = load_gemm() if quant is None and self.dtype == torch.float32 else None
             if gemm is not None:  # the linear layers' GEMM in our kernel, not oneDNN (cpu_gemm.py)
                 quant = CpuGemmConfig(gemm)
+            amx = load_amx() if quant is None and self.dtype == torch.bfloat16 else None
+            if amx is not None:  # in bf16 on AMX tiles (cpu_gemm_amx.py)
+                quant = AmxGemmConfig(amx)
         layers.quant_config = quant
         if ops is not None:  # fused norm/rotary/SiLU kernels (cpu_ops.py)
             layers = CpuKernelLayers(layers, ops)

@@ -70,7 +70,9 @@ class LinearMethodBase(QuantizeMethodBase):
 # projections 1.4-2.0x at 1-8 rows, 0.9-1.2x from 32 on, the LM head 1.2-1.9x. Every row count
 # takes the packed path: its result for a row does not depend on how many rows come with it, where
 # F.linear's single-row kernel rounds differently from its batched one, so the same request would
-# sample differently alone and in a batch.
+# sample differently alone and in a batch. (Not in bf16 on a CPU with AMX: there oneDNN's packed and
+# unpacked bf16 kernels alike change with the row count, and a few sums' last bits with them;
+# part 15's own AMX kernel, cpu_gemm_amx.py, keeps a row's result whatever its batch.)
 CPU_PREPACK = os.environ.get("VLLM_COURSE_CPU_PREPACK", "1") != "0"
 
 

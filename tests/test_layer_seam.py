@@ -162,8 +162,11 @@ def test_cpu_linears_run_on_prepacked_weights_batch_invariant(tmp_path, monkeypa
     computes with it: within rounding of F.linear on the dense weight, and a row's result is
     bit-for-bit the same alone or with any number of other rows (on the course machine F.linear's
     single-row kernel rounds differently from its batched one; not asserted, as it varies with the
-    CPU). bf16 is packed only on a CPU with native bf16. Off-switch: VLLM_COURSE_CPU_PREPACK=0
-    leaves F.linear."""
+    CPU). bf16 is packed only on a CPU with native bf16. On a CPU with AMX oneDNN's bf16 kernels
+    change with the row count and so do a few sums' last bits (measured on a Sapphire Rapids VM:
+    1-43 of 42 windows of 1-33 rows differed from the same rows in a batch of 300): there the row
+    is not asserted invariant, and part 15's AMX kernel is (tests/test_part15_cpu_gemm_amx.py).
+    Off-switch: VLLM_COURSE_CPU_PREPACK=0 leaves F.linear."""
     import shared.layers as layers
 
     if not torch.backends.mkldnn.is_available():
@@ -189,9 +192,11 @@ def test_cpu_linears_run_on_prepacked_weights_batch_invariant(tmp_path, monkeypa
         # fp32: rounding of 576-term sums; bf16: the output's own rounding (8 bits, |y| up to ~100)
         tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.5)
         torch.testing.assert_close(full.float(), torch.nn.functional.linear(x.float(), w.float()), **tol)
+        invariant = dtype == torch.float32 or not torch.cpu._is_amx_tile_supported()
         for rows in (1, 2, 7, 64, 300):
-            assert torch.equal(layer(x[:rows]), full[:rows]), rows
-            assert torch.equal(layer(x[rows - 1:rows]), full[rows - 1:rows]), rows
+            assert not invariant or torch.equal(layer(x[:rows]), full[:rows]), rows
+            assert not invariant or torch.equal(layer(x[rows - 1:rows]), full[rows - 1:rows]), rows
+            torch.testing.assert_close(layer(x[rows - 1:rows]).float(), full[rows - 1:rows].float(), **tol)
 
     monkeypatch.setattr(layers, "CPU_PREPACK", False)
     layer.quant_method.process_weights_after_loading(layer)

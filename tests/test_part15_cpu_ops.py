@@ -266,8 +266,10 @@ def test_the_engine_runs_them_on_cpu_and_the_off_switch_removes_them(monkeypatch
 def test_the_engine_in_bf16_tracks_the_fp32_oracle(prompt_token_ids, fp32_oracle):
     """Part 15 in bf16 on the CPU, held to the fp32 oracle with the bf16 tolerances the GPU tier
     holds every part to on CUDA: through the bf16 kernels (attention, norm, rotary, SiLU), and with
-    the weights prepacked for oneDNN where the CPU has native bf16."""
+    the weights packed for the AMX kernel where the CPU has AMX (cpu_gemm_amx.py), else prepacked for
+    oneDNN where it has native bf16."""
     from part15_full import LLM
+    from part15_full.cpu_gemm_amx import load_amx
     from shared.layers import Linear, cpu_has_native_bf16
 
     from conftest import assert_bf16_greedy_tracks, assert_bf16_teacher_forced
@@ -279,8 +281,9 @@ def test_the_engine_in_bf16_tracks_the_fp32_oracle(prompt_token_ids, fp32_oracle
         probe = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
         assert runner.attn.cpu_kernel.supports(probe, runner.attn.k_cache[0])
         linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-        native = cpu_has_native_bf16()
-        assert all((m.packed_weight is not None) == native for m in linears)
+        amx, native = load_amx() is not None, cpu_has_native_bf16()
+        assert all((getattr(m, "gemm_weight", None) is not None) == amx for m in linears)
+        assert all((m.packed_weight is not None) == (native and not amx) for m in linears)
         assert_bf16_teacher_forced(llm, prompt_token_ids, fp32_oracle)
         assert_bf16_greedy_tracks(llm, prompt_token_ids, fp32_oracle)
 
