@@ -153,34 +153,42 @@ class BoundLayers:
     addresses once and a layer is nine ctypes calls on integers. This is what a CUDA graph does
     on a GPU, by hand: fixed buffers, so that the calls can be laid down once and replayed.
 
+    In fp32 the GEMMs are cpu_gemm.py's kernel (the gate/up one ending with the activation); in bf16
+    on a CPU with AMX, cpu_gemm_amx.py's, followed by the SiLU kernel: the same calls either way,
+    each kernel taking the model's dtype.
+
     When. `build` (after loading) checks each layer's modules as FlatForward's do; a step (`__call__`)
     also needs the part's PagedAttention on the CPU kernel with no KV connector (part 13 hooks the
     layers) and a plan with no long prefill (those go to SDPA). Otherwise the step runs
     FlatForward's loop. The same kernels in the same order on the same inputs: the same bits.
     Off-switch: VLLM_COURSE_FLAT_BOUND=0."""
 
-    def __init__(self, lib, layers, hidden: int, heads: int, kv_heads: int, d: int, inter: int):
-        self.lib, self.layers = lib, layers
+    def __init__(self, lib, layers, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, d: int, inter: int):
+        self.lib, self.layers, self.dtype = lib, layers, dtype
         self.hidden, self.heads, self.kv_heads, self.d, self.inter = hidden, heads, kv_heads, d, inter
         self._backend = self._caches = None
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> BoundLayers | None:
-        """None unless every layer runs on the C kernels in fp32, with one shape."""
-        f32, libs, layers, keep, shapes = torch.float32, set(), [], [], set()
+        """None unless every layer runs on the C kernels, in fp32 or in bf16 on AMX, with one shape."""
+        dtype, libs, layers, keep, shapes = model.embed_tokens.weight.dtype, set(), [], [], set()
+        method = {torch.float32: CpuGemmLinearMethod, torch.bfloat16: AmxGemmLinearMethod}.get(dtype)
+        if method is None:
+            return None
+        gated = dtype == torch.float32  # the fp32 kernel ends the gate/up GEMM with the activation
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731 (None: a NULL bias)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if not all(type(n) is CpuRMSNorm and n.weight.dtype == f32 and _kernels(n, f32) for n in norms):
+            if not all(type(n) is CpuRMSNorm and n.weight.dtype == dtype and _kernels(n, dtype) for n in norms):
                 return None
             rotary = attn.rotary
-            if not (type(rotary) is CpuRotaryEmbedding and rotary.cos.dtype == f32 and _kernels(rotary, f32)
-                    and type(mlp.act) is CpuSiluAndMul and _kernels(mlp.act, f32)):
+            if not (type(rotary) is CpuRotaryEmbedding and rotary.cos.dtype == torch.float32 and _kernels(rotary, dtype)
+                    and type(mlp.act) is CpuSiluAndMul and _kernels(mlp.act, dtype)):
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(m.quant_method, CpuGemmLinearMethod) and getattr(m, "gemm_weight", None)
-                       is not None and m.gemm_gated == (m is mlp.gate_up_proj) for m in linears):
+            if not all(isinstance(m.quant_method, method) and getattr(m, "gemm_weight", None) is not None
+                       and getattr(m, "gemm_gated", False) == (gated and m is mlp.gate_up_proj) for m in linears):
                 return None
             if mlp.gate_up_proj.bias is not None:
                 return None
@@ -195,12 +203,13 @@ class BoundLayers:
                            ptr(attn.o_proj.bias), norms[1].weight.data_ptr(), norms[1].eps,
                            mlp.gate_up_proj.gemm_weight.data_ptr(), mlp.down_proj.gemm_weight.data_ptr(),
                            ptr(mlp.down_proj.bias)))
-        if len(libs) != 1 or len(shapes) != 1 or model.embed_tokens.weight.dtype != f32:
+        if len(libs) != 1 or len(shapes) != 1:
             return None
-        self = cls(libs.pop(), layers, model.embed_tokens.weight.shape[1], *shapes.pop())
+        self = cls(libs.pop(), layers, dtype, model.embed_tokens.weight.shape[1], *shapes.pop())
         self.tensors = keep
-        self.ops = _kernels(model.layers[0].input_layernorm, f32)
-        self.rotary = _kernels(model.layers[0].self_attn.rotary, f32).rotary_embedding
+        self.ops = _kernels(model.layers[0].input_layernorm, dtype)
+        self.rotary = _kernels(model.layers[0].self_attn.rotary, dtype).rotary_embedding
+        self.silu = None if gated else _kernels(model.layers[0].mlp.act, dtype).silu_and_mul
         return self
 
     def _layer_caches(self, backend) -> list | None:
@@ -210,7 +219,7 @@ class BoundLayers:
             kernel = getattr(backend, "cpu_kernel", None)
             k_cache = getattr(backend, "k_cache", None)
             if (type(backend) is PagedAttention and kernel is not None and not backend.use_triton
-                    and k_cache.dtype == torch.float32 and k_cache.shape[3:] == (self.kv_heads, self.d)
+                    and k_cache.dtype == self.dtype and k_cache.shape[3:] == (self.kv_heads, self.d)
                     and kernel.fits(self.heads, self.kv_heads, self.d, k_cache.shape[2])):
                 self._caches = [(backend.k_cache[i].data_ptr(), backend.v_cache[i].data_ptr())
                                 for i in range(k_cache.shape[0])]
@@ -226,27 +235,31 @@ class BoundLayers:
             return None
         t, hidden, heads, kv_heads, d = x.shape[0], self.hidden, self.heads, self.kv_heads, self.d
         block_size = backend.k_cache.shape[2]
-        plan = backend.cpu_kernel.plan(metadata, heads // kv_heads, block_size, torch.float32)
+        dtype, bf16 = self.dtype, int(self.dtype == torch.bfloat16)
+        plan = backend.cpu_kernel.plan(metadata, heads // kv_heads, block_size, dtype)
         if plan.long or plan.slots.numel() != t or positions.numel() != t or not t:
             return None
-        lib, ops, rotary = self.lib, self.ops, self.rotary
-        gemm_, gated, rms, fused_add = lib.gemm, lib.gemm_gated, ops.rms_norm, ops.fused_add_rms_norm
+        lib, ops, rotary, silu = self.lib, self.ops, self.rotary, self.silu
+        gemm_ = lib.amx_gemm if bf16 else lib.gemm
+        gated, rms, fused_add = None if bf16 else lib.gemm_gated, ops.rms_norm, ops.fused_add_rms_norm
         store_kv, attend = backend.cpu_kernel.lib.store_kv, backend.cpu_kernel.lib.paged_attention_rows
         # The step's buffers: every layer writes the same ones (each is read before the next layer
         # writes it again); `down` ends as the returned hidden states, so a step never sees another's.
         width = (heads + 2 * kv_heads) * d
-        qkv, out = torch.empty(t, width), torch.empty(t, heads * d)
-        o, act, down = torch.empty(t, hidden), torch.empty(t, self.inter), torch.empty(t, hidden)
+        qkv, out = torch.empty(t, width, dtype=dtype), torch.empty(t, heads * d, dtype=dtype)
+        o, act, down = (torch.empty(t, n, dtype=dtype) for n in (hidden, self.inter, hidden))
+        gate_up = None if gated else torch.empty(t, 2 * self.inter, dtype=dtype)  # bf16: SiLU a call apart
         qkv_p, out_p, o_p = qkv.data_ptr(), out.data_ptr(), o.data_ptr()
-        act_p, down_p = act.data_ptr(), down.data_ptr()
-        k_p, v_p = qkv_p + 4 * heads * d, qkv_p + 4 * (heads + kv_heads) * d  # the K and V heads of a row
+        act_p, down_p, gate_up_p = act.data_ptr(), down.data_ptr(), 0 if gated else gate_up.data_ptr()
+        esz = qkv.element_size()
+        k_p, v_p = qkv_p + esz * heads * d, qkv_p + esz * (heads + kv_heads) * d  # the K and V heads of a row
         res = x  # the residual, summed in place
         res_p, pos_p, threads, num_slots = res.data_ptr(), positions.data_ptr(), torch.get_num_threads(), \
             backend.k_cache.shape[1] * block_size
         tables, scale = plan.tables, backend.scale
         attention = (plan.tables.data_ptr(), tables.stride(0), plan.row_idx.data_ptr(), plan.row_seq.data_ptr(),
                      plan.row_len.data_ptr(), plan.tiles.data_ptr(), plan.tiled.data_ptr(), plan.tiled.numel(),
-                     heads, kv_heads, d, block_size, scale, out_p, heads * d, threads, 0)
+                     heads, kv_heads, d, block_size, scale, out_p, heads * d, threads, bf16)
         slots_p, inter = plan.slots.data_ptr(), self.inter
         first = True
         for (in_w, in_eps, qkv_w, qkv_b, cos, sin, table, idx, o_w, o_b, post_w, post_eps, gate_up_w, down_w,
@@ -262,7 +275,7 @@ class BoundLayers:
             if rotary(pos_p, t, qkv_p, width, heads, k_p, width, kv_heads, d, cos, sin, table):
                 raise IndexError(f"a position is outside the rotary table (0..{table - 1})")
             k_cache, v_cache = caches[idx]
-            if store_kv(k_p, width, v_p, width, k_cache, v_cache, slots_p, t, kv_heads * d, num_slots, 0):
+            if store_kv(k_p, width, v_p, width, k_cache, v_cache, slots_p, t, kv_heads * d, num_slots, bf16):
                 raise IndexError(f"a slot is past the KV pool's {num_slots}")
             status = attend(qkv_p, width, k_cache, v_cache, *attention)
             if status:
@@ -271,8 +284,14 @@ class BoundLayers:
             if gemm_(t, hidden, heads * d, out_p, heads * d, o_w, o_p, hidden, o_b, threads):
                 raise MemoryError("CPU GEMM: no memory for its copy of x")
             fused_add(o_p, res_p, post_w, t, hidden, post_eps)
-            if gated(t, inter, hidden, o_p, hidden, gate_up_w, act_p, inter, 1, threads) or \
-                    gemm_(t, hidden, inter, act_p, inter, down_w, down_p, hidden, down_b, threads):
+            if gated is not None:
+                if gated(t, inter, hidden, o_p, hidden, gate_up_w, act_p, inter, 1, threads):
+                    raise MemoryError("CPU GEMM: no memory for its copy of x")
+            else:
+                if gemm_(t, 2 * inter, hidden, o_p, hidden, gate_up_w, gate_up_p, 2 * inter, None, threads):
+                    raise MemoryError("CPU GEMM: no memory for its copy of x")
+                silu(gate_up_p, act_p, t, inter)
+            if gemm_(t, hidden, inter, act_p, inter, down_w, down_p, hidden, down_b, threads):
                 raise MemoryError("CPU GEMM: no memory for its copy of x")
         down, _ = final_norm(down, res)
         return down
