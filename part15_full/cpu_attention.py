@@ -59,6 +59,7 @@ SHORT_QUERY = 8  # queries of up to this many tokens always go through the kerne
 PREFILL_MAX_LEN = {torch.float32: 1024, torch.bfloat16: 256}
 ENABLED = os.environ.get("VLLM_COURSE_CPU_ATTENTION", "1") != "0"
 TILES = os.environ.get("VLLM_COURSE_CPU_ATTENTION_TILES", "1") != "0"
+AMX = os.environ.get("VLLM_COURSE_CPU_ATTENTION_AMX", "1") != "0"  # bf16 decode scores on AMX tiles
 logger = logging.getLogger(__name__)
 
 
@@ -71,7 +72,9 @@ def load_kernel():
     if path is None:
         logger.warning("CPU paged attention: no kernel, using the torch path (gather + SDPA)")
         return None
-    return bind(path)
+    lib = bind(path)
+    lib.attention_use_amx(int(AMX and torch.cpu._is_amx_tile_supported()))
+    return lib
 
 
 def bind(path: Path) -> ctypes.CDLL:
@@ -81,7 +84,8 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.paged_attention_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
                                          i32, ctypes.c_float, ptr, i64, i32, i32]
     lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
-    for fn in (lib.paged_attention_rows, lib.store_kv, lib.attention_tile_lanes):
+    lib.attention_use_amx.argtypes = [i32]
+    for fn in (lib.paged_attention_rows, lib.store_kv, lib.attention_tile_lanes, lib.attention_use_amx):
         fn.restype = i32
     return lib
 

@@ -225,6 +225,23 @@ def test_a_cache_it_cannot_write_means_no_kernel_not_a_crash(tmp_path, monkeypat
     assert "could not build" in caplog.text
 
 
+def test_bf16_decode_scores_on_amx_tiles_and_their_switch(kernel):
+    """Where the CPU has AMX, bf16 rows' scores are taken on the tiles (keys read as they lie in the
+    pool); the switch turns that off. Both ways within the bf16 bound of float64 attention (the
+    cases above run the tiles already: a scale off by 1% in their scores fails 7 of them)."""
+    has_amx = torch.cpu._is_amx_tile_supported()
+    case = dataclasses.replace(SHAPES["smollm9-3_d64_bs16_long_and_spec"], dtype=torch.bfloat16)
+    batch = make_batch(case, seed=7)
+    args = (batch["q"], batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], batch["metadata"],
+            batch["scale"])
+    try:
+        for on in (1, 0):
+            assert kernel.lib.attention_use_amx(on) == (on and has_amx)
+            assert_matches_dense(kernel.forward(*args)[:batch["num_tokens"]], batch, case)
+    finally:
+        kernel.lib.attention_use_amx(int(cpu_attention.AMX and has_amx))
+
+
 def test_the_off_switch(monkeypatch):
     monkeypatch.setattr(cpu_attention, "ENABLED", False)
     cpu_attention.load_kernel.cache_clear()
