@@ -165,11 +165,13 @@ class CpuGemmLinearMethod(UnquantizedLinearMethod):
 class CpuGemmConfig(QuantizationConfig):
     """No quantization, every linear layer on the CPU GEMM kernel (the model runner's choice)."""
 
+    linear_method = CpuGemmLinearMethod
+
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
 
     def get_name(self) -> str:
         return "cpu_gemm"
 
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> CpuGemmLinearMethod | None:
-        return CpuGemmLinearMethod(self.lib) if isinstance(layer, Linear) else None
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> UnquantizedLinearMethod | None:
+        return self.linear_method(self.lib) if isinstance(layer, Linear) else None

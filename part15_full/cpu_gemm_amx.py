@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.layers import Linear, QuantizationConfig, UnquantizedLinearMethod
+from shared.layers import UnquantizedLinearMethod
 
 from .cpu_build import CSRC, build
+from .cpu_gemm import CpuGemmConfig
 
 SOURCE = CSRC / "gemm_amx.c"
 SWITCH = os.environ.get("VLLM_COURSE_CPU_AMX", "1") != "0"
@@ -117,14 +118,10 @@ class AmxGemmLinearMethod(UnquantizedLinearMethod):
         return gemm(self.lib, x, packed, layer.weight.shape[0], bias)
 
 
-class AmxGemmConfig(QuantizationConfig):
+class AmxGemmConfig(CpuGemmConfig):
     """No quantization, every linear layer on the AMX GEMM kernel (the model runner's choice)."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
+    linear_method = AmxGemmLinearMethod
 
     def get_name(self) -> str:
         return "cpu_gemm_amx"
-
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> AmxGemmLinearMethod | None:
-        return AmxGemmLinearMethod(self.lib) if isinstance(layer, Linear) else None

@@ -16,6 +16,7 @@ from shared.layers import Linear, UnquantizedLinearMethod
 from shared.weights import default_dtype, load_model
 
 from test_layer_seam import logits, tiny_checkpoint
+from test_part15_cpu_gemm import linears, runner
 
 HAS_AMX = torch.cpu._is_amx_tile_supported()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX: the kernel's instructions do not exist here")
@@ -102,19 +103,6 @@ def test_strided_and_batched_inputs_and_no_rows(lib):
     x3 = bf16(2, 5, 64, generator=g)
     assert torch.equal(run(lib, x3, w), run(lib, x3.reshape(10, 64), w).view(2, 5, 32))
     assert run(lib, torch.empty(0, 64, dtype=torch.bfloat16), w).shape == (0, 32)
-
-
-def runner(path, **kw):
-    from part15_full.config import EngineConfig
-    from part15_full.model_runner import ModelRunner
-
-    return ModelRunner(EngineConfig(model=str(path), device="cpu", kv_cache_memory_mb=4, **kw))
-
-
-def linears(model):
-    found = [m for m in model.modules() if isinstance(m, Linear)]
-    assert found
-    return found
 
 
 @needs_amx
