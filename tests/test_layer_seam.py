@@ -164,7 +164,7 @@ def test_cpu_linears_run_on_prepacked_weights_batch_invariant(tmp_path, monkeypa
     single-row kernel rounds differently from its batched one; not asserted, as it varies with the
     CPU). bf16 is packed only on a CPU with native bf16. On a CPU with AMX oneDNN's bf16 kernels
     change with the row count and so do a few sums' last bits (measured on a Sapphire Rapids VM:
-    1-43 of 42 windows of 1-33 rows differed from the same rows in a batch of 300): there the row
+    of 39-43 windows of 1-33 rows, 1-43 differed from the same rows in a batch of 300): there the row
     is not asserted invariant, and part 15's AMX kernel is (tests/test_part15_cpu_gemm_amx.py).
     Off-switch: VLLM_COURSE_CPU_PREPACK=0 leaves F.linear."""
     import shared.layers as layers
