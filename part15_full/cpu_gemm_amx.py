@@ -87,10 +87,9 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: 
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
-    if rows.shape[0] and lib.amx_gemm(rows.shape[0], n, rows.shape[1], rows.data_ptr(), rows.stride(0),
-                                      packed.data_ptr(), out.data_ptr(), n,
-                                      None if bias is None else bias.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("AMX GEMM: no memory for its copy of x's last rows")
+    if lib.amx_gemm(rows.shape[0], n, rows.shape[1], rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                    out.data_ptr(), n, None if bias is None else bias.data_ptr(), torch.get_num_threads()):
+        raise RuntimeError("AMX GEMM: this build of the kernel has no AMX")
     return out if flat else out.view(*x.shape[:-1], n)
 
 

@@ -37,16 +37,18 @@ def run(lib, x, w, bias=None, threads=None):
     return out
 
 
-def assert_within_bound(got, x, w, bias=None):
+def assert_within_bound(got, x, w, bias=None, out_roundoff=0.0):
     """|got - exact| <= gamma_{K+1} (|x| |w|^T + |b|) per element: the bound of any order of a
-    (K+1)-term float sum (Higham, 3.1), so it cannot fail by luck, and a wrong product breaks it."""
+    (K+1)-term fp32 sum (Higham, 3.1), so it cannot fail by luck, and a wrong product breaks it.
+    With `out_roundoff` (a narrower output type's unit roundoff, as bf16's for the AMX kernel) the
+    output may be one rounding further off, out_roundoff of its size."""
     k = x.shape[1] + 1
     exact = x.double() @ w.double().T
     scale = x.double().abs() @ w.double().abs().T
     if bias is not None:
         exact, scale = exact + bias.double(), scale + bias.double().abs()
-    gamma = k * U / (1 - k * U)
-    excess = (got.double() - exact).abs() - gamma * scale
+    sum_err = k * U / (1 - k * U) * scale
+    excess = (got.double() - exact).abs() - (sum_err + out_roundoff * (exact.abs() + sum_err))
     assert excess.max().item() <= 0, excess.max().item()
 
 

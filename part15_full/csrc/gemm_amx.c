@@ -19,8 +19,9 @@
    Layout. The weight [N, K] is packed once, at load time, into panels of 32 output columns: panel
    p, k-step s holds two tiles (columns p*32 .. +15, then +16 .. +31), each 16 rows of 16 pairs,
    so a panel is one contiguous run of K * 64 bytes, read in order. x is read in place (rows `ldx`
-   elements apart); a last block of fewer than 16 rows is first copied into a zero-padded buffer,
-   as a tile load reads 16 rows. N and K must be multiples of 32 (the Python side checks).
+   elements apart), with no copy: when M is over 16 and not a multiple of it, the last tile is the
+   last 16 rows, overlapping the tile before it (the rows they share are computed twice, to the
+   same bits, and stored twice); under 16 rows, the tiles are configured that many rows high. N and K must be multiples of 32 (the Python side checks).
 
    Every output starts from a zeroed tile and adds its k-steps in order, whatever M is, which rows
    share its block and which thread takes its panel: a row's result does not depend on how many rows
@@ -41,7 +42,6 @@
 #define omp_get_thread_num() 0
 #endif
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -67,11 +67,13 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-static void configure(void) {
+/* Every tile 64 bytes wide; y's and x's tiles (0-5) `rows` high (16, or M when M is under 16), the
+   weight's (6, 7) 16 k pairs. */
+static void configure(int rows) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16; /* every tile 16 x 64 bytes */
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = (uint8_t)(t < 6 ? rows : 16);
     _tile_loadconfig(&cfg);
 }
 
@@ -104,9 +106,10 @@ static inline void store_rows(const float *acc, int rows, uint16_t *y, int64_t l
     }
 }
 
-/* One panel (`w`, K * 32 bf16) against rows x[0:rows] (rows <= 32, each 16-row tile's base and
-   stride given): y[0:rows, 0:32]. `acc`: 32 x 32 floats of scratch. */
-static inline void panel_block(int64_t K, const uint16_t *x0, int64_t s0, const uint16_t *x1, int64_t s1, int two,
+/* One panel (`w`, K * 32 bf16) against one or two tiles of x rows (`two`), starting at x0 and x1
+   (rows ldx elements apart): their sums into `acc`, 32 x 32 floats, rows 0-15 from x0's tile and
+   16-31 from x1's. `pf`: the panel to ask for into L2 meanwhile, or NULL. */
+static inline void panel_block(int64_t K, const uint16_t *x0, const uint16_t *x1, int64_t ldx, int two,
                                const uint16_t *w, float *acc, const char *pf) {
     _tile_zero(0);
     _tile_zero(1);
@@ -121,11 +124,11 @@ static inline void panel_block(int64_t K, const uint16_t *x0, int64_t s0, const 
         }
         _tile_loadd(6, w, 64);
         _tile_loadd(7, w + 16 * 32, 64);
-        _tile_loadd(4, x0 + k, s0);
+        _tile_loadd(4, x0 + k, ldx * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
-            _tile_loadd(5, x1 + k, s1);
+            _tile_loadd(5, x1 + k, ldx * 2);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -138,19 +141,14 @@ static inline void panel_block(int64_t K, const uint16_t *x0, int64_t s0, const 
     }
 }
 
-/* y[M, N] = x[M, K] . W^T (+ bias[N]), all bf16; wp: W packed by amx_pack_weight. 0, or -1 when
-   the padding buffer could not be had (y untouched). */
+/* y[M, N] = x[M, K] . W^T (+ bias[N]), all bf16; wp: W packed by amx_pack_weight. Returns 0. */
 int amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y,
              int64_t ldy, const uint16_t *bias, int num_threads) {
-    const int64_t panels = N / PANEL, full = M / 16, tail = M % 16;
-    /* The last rows, when fewer than a tile's 16: copied, zero-padded, so the tile load stays in x. */
-    uint16_t *pad = 0;
-    if (tail) {
-        pad = calloc(16 * K, sizeof(uint16_t));
-        if (!pad) return -1;
-        for (int64_t i = 0; i < tail; i++) memcpy(pad + i * K, x + (full * 16 + i) * ldx, K * sizeof(uint16_t));
-    }
-    const int64_t tiles = full + (tail > 0); /* 16-row tiles of x */
+    if (M <= 0) return 0;
+    const int64_t panels = N / PANEL, tiles = (M + 15) / 16; /* 16-row tiles of x */
+    const int rows = M < 16 ? (int)M : 16;                     /* each tile's rows */
+    /* Tile t's first row: 16 t, except a last tile that would run past M, which ends at M. */
+#define TILE_ROW(t) ((t) * 16 + 16 <= M ? (t) * 16 : M - rows)
     int64_t chunk = CHUNK_BYTES / (K * 2) / 32 * 2;  /* tiles of rows a chunk, an even number */
     if (chunk < 2) chunk = 2;
     if (num_threads < 1) num_threads = 1;
@@ -162,26 +160,24 @@ int amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t ldx, co
             /* This thread's panels: a contiguous run, so it streams one stretch of the weight. */
             const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
             const int64_t p0 = panels * id / nt, p1 = panels * (id + 1) / nt;
-            configure();
+            configure(rows);
             for (int64_t p = p0; p < p1; p++) {
                 const uint16_t *w = wp + p * K * PANEL;
+                const uint16_t *b = bias ? bias + p * PANEL : 0;
                 for (int64_t t = t0; t < t1; t += 2) {
                     const int two = t + 1 < t1;
-                    const uint16_t *xa = t < full ? x + t * 16 * ldx : pad;
-                    const uint16_t *xb = t + 1 < full ? x + (t + 1) * 16 * ldx : pad;
-                    const int64_t sa = t < full ? ldx * 2 : K * 2, sb = t + 1 < full ? ldx * 2 : K * 2;
+                    const int64_t ra = TILE_ROW(t), rb = two ? TILE_ROW(t + 1) : ra;
                     /* The panel PF_AHEAD on is asked for into L2 while this one is multiplied. */
                     const char *pf = t == t0 && p + PF_AHEAD < p1 ? (const char *)(w + PF_AHEAD * K * PANEL) : 0;
-                    panel_block(K, xa, sa, xb, sb, two, w, acc, pf);
-                    const int64_t m = t * 16;
-                    const int rows = (int)((M - m) < (two ? 32 : 16) ? (M - m) : (two ? 32 : 16));
-                    store_rows(acc, rows, y + m * ldy + p * PANEL, ldy, bias ? bias + p * PANEL : 0);
+                    panel_block(K, x + ra * ldx, x + rb * ldx, ldx, two, w, acc, pf);
+                    store_rows(acc, rows, y + ra * ldy + p * PANEL, ldy, b);
+                    if (two) store_rows(acc + 16 * PANEL, rows, y + rb * ldy + p * PANEL, ldy, b);
                 }
             }
             _tile_release();
         }
     }
-    free(pad);
+#undef TILE_ROW
     return 0;
 }
 
