@@ -33,7 +33,7 @@ from torch import nn
 from shared.layers import UnquantizedLinearMethod
 
 from .cpu_build import CSRC, build
-from .cpu_gemm import CpuGemmConfig, is_gate_up
+from .cpu_gemm import CpuGemmConfig
 
 SOURCE = CSRC / "gemm_amx.c"
 SWITCH = os.environ.get("VLLM_COURSE_CPU_AMX", "1") != "0"
@@ -49,10 +49,6 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.amx_pack_weight.restype = None
     lib.amx_gemm.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.amx_gemm.restype = ctypes.c_int
-    lib.amx_pack_weight_gated.argtypes = [ptr, i64, i64, ptr]
-    lib.amx_pack_weight_gated.restype = None
-    lib.amx_gemm_gated.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
-    lib.amx_gemm_gated.restype = ctypes.c_int
     return lib
 
 
@@ -74,16 +70,12 @@ def fits(weight: torch.Tensor) -> bool:
     return n % TILE == 0 and k % TILE == 0
 
 
-def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """weight [N, K] bf16 (N, K multiples of 32) -> the kernel's tiles, [N * K] bf16. `gated`: the
-    MLP's gate/up weight [2I, K], each panel 16 gate columns and the same 16 up columns."""
+def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 (N, K multiples of 32) -> the kernel's tiles, [N * K] bf16."""
     n, k = weight.shape
     weight = weight.detach().contiguous()
     packed = torch.empty(n * k, dtype=torch.bfloat16)
-    if gated:
-        lib.amx_pack_weight_gated(weight.data_ptr(), n // 2, k, packed.data_ptr())
-    else:
-        lib.amx_pack_weight(weight.data_ptr(), n, k, packed.data_ptr())
+    lib.amx_pack_weight(weight.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 
@@ -101,21 +93,9 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: 
     return out if flat else out.view(*x.shape[:-1], n)
 
 
-def gemm_gated(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, inter: int, silu: bool) -> torch.Tensor:
-    """x [T, K] bf16 against a gate/up weight packed gated -> silu(gate) * up [T, inter] (`silu`: the
-    MLP's activation as the GEMM's last step), or gate | up [T, 2 inter] as gemm gives."""
-    rows = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty((rows.shape[0], inter if silu else 2 * inter), dtype=torch.bfloat16)
-    if lib.amx_gemm_gated(rows.shape[0], inter, rows.shape[1], rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                          out.data_ptr(), out.shape[1], int(silu), torch.get_num_threads()):
-        raise RuntimeError("AMX GEMM: this build of the kernel has no AMX")
-    return out
-
-
 class AmxGemmLinearMethod(UnquantizedLinearMethod):
     """The dense method, with a bf16 CPU weight packed for the AMX kernel (`layer.gemm_weight`)
-    instead of for oneDNN. A gate/up weight is packed gated (`layer.gemm_gated`), as in fp32: its
-    forward gives the same bits, and the flat forward can end the GEMM with the activation."""
+    instead of for oneDNN."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
@@ -126,8 +106,7 @@ class AmxGemmLinearMethod(UnquantizedLinearMethod):
         if w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2 and fits(w) and (
                 bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
             layer.packed_weight = None  # no oneDNN copy beside ours
-            layer.gemm_gated = is_gate_up(layer)  # its halves are then multiples of 16
-            layer.gemm_weight = pack_weight(self.lib, w, layer.gemm_gated)
+            layer.gemm_weight = pack_weight(self.lib, w)
         else:
             super().process_weights_after_loading(layer)
 
@@ -135,9 +114,6 @@ class AmxGemmLinearMethod(UnquantizedLinearMethod):
         packed = getattr(layer, "gemm_weight", None)
         if packed is None or x.dtype != torch.bfloat16 or torch.compiler.is_compiling():
             return super().apply(layer, x, bias)
-        if layer.gemm_gated:
-            n = layer.weight.shape[0]
-            return gemm_gated(self.lib, x.reshape(-1, x.shape[-1]), packed, n // 2, False).view(*x.shape[:-1], n)
         return gemm(self.lib, x, packed, layer.weight.shape[0], bias)
 
 

@@ -11,15 +11,15 @@ kernels. A real decode step of 80-133 ms pays the same.
 How. After loading, `build_flat_forward` checks that the model is the plain Llama decoder whose
 forward this file repeats (every layer a LlamaDecoderLayer with LlamaAttention and LlamaMLP, its
 linear layers running Linear.forward, no torch.compile), and collects for each layer the bound
-methods its modules would call. A linear layer on the CPU GEMM kernel (cpu_gemm.py; in bf16 the
-AMX one, cpu_gemm_amx.py) becomes one direct call of the kernel, its weight bound once; the MLP's
-gate/up product and its SiLU become one (gemm_gated, the activation as the GEMM's last step). The loop makes the
+methods its modules would call. A linear layer on the CPU GEMM kernel (cpu_gemm.py) becomes one
+direct call of the kernel (cpu_gemm.gemm), its weight bound once; the MLP's gate/up product and its
+SiLU become one (cpu_gemm.gemm_gated, the activation as the GEMM's last step). The loop makes the
 modules' calls in their order, through the same kernels and arithmetic, so the hidden states are
 the same bit for bit (tests/test_part15_flat_forward.py); only the Python between the kernels and
 the gate/up output's trip through memory are gone. Anything else
 (tensor parallelism, MoE blocks, a compiled model, a GPU) keeps the modules.
 
-When every call is one of the part's C kernels (the GEMM kernels, the paged attention kernel,
+When every call is one of the part's C kernels (fp32 on the GEMM kernel, the paged attention kernel,
 no KV connector), a step goes one further (BoundLayers): the kernels called through ctypes on plain
 integers, the weights' addresses taken once and the step's buffers reused by every layer, so that
 a layer is nine ctypes calls and nothing else.
@@ -44,7 +44,6 @@ from shared.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, Ll
 from .cpu_gemm import CpuGemmLinearMethod, gemm, gemm_gated
 from .cpu_gemm_amx import AmxGemmLinearMethod
 from .cpu_gemm_amx import gemm as amx_gemm
-from .cpu_gemm_amx import gemm_gated as amx_gemm_gated
 from .cpu_ops import CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
 from .paged_attention import PagedAttention
 
@@ -62,8 +61,6 @@ def _linear(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: gemm(lib, x, packed, n, bias)
     if isinstance(method, AmxGemmLinearMethod) and packed is not None:
         lib, n = method.lib, layer.weight.shape[0]
-        if layer.gemm_gated:
-            return lambda x: amx_gemm_gated(lib, x, packed, n // 2, False)
         return lambda x: amx_gemm(lib, x, packed, n, bias)
     apply = method.apply
     return lambda x: apply(layer, x, bias)
@@ -136,12 +133,9 @@ def _gate_up_act(gate_up: Linear, act: SiluAndMul, dtype: torch.dtype) -> Callab
     whose last step is the activation: the [T, 2I] gate | up never goes to memory and back, and the
     activation's call is gone. The same operations as the two calls, so the same bits."""
     method, packed = gate_up.quant_method, getattr(gate_up, "gemm_weight", None)
-    kind = {torch.float32: CpuGemmLinearMethod, torch.bfloat16: AmxGemmLinearMethod}.get(dtype)
-    if (kind is not None and isinstance(method, kind) and packed is not None and gate_up.gemm_gated
-            and _kernels(act, dtype) is not None and type(act) is CpuSiluAndMul):
+    if (isinstance(method, CpuGemmLinearMethod) and packed is not None and gate_up.gemm_gated
+            and dtype == torch.float32 and _kernels(act, dtype) is not None and type(act) is CpuSiluAndMul):
         lib, inter = method.lib, gate_up.weight.shape[0] // 2
-        if dtype == torch.bfloat16:
-            return lambda x: amx_gemm_gated(lib, x, packed, inter, True)
         return lambda x: gemm_gated(lib, x, packed, inter, True)
     linear, silu = _linear(gate_up), _silu(act, dtype)
     return lambda x: silu(linear(x))
@@ -159,9 +153,9 @@ class BoundLayers:
     addresses once and a layer is nine ctypes calls on integers. This is what a CUDA graph does
     on a GPU, by hand: fixed buffers, so that the calls can be laid down once and replayed.
 
-    In fp32 the GEMMs are cpu_gemm.py's kernel, in bf16 on a CPU with AMX cpu_gemm_amx.py's, the
-    gate/up one ending with the activation in both: the same calls either way, each kernel taking
-    the model's dtype.
+    In fp32 the GEMMs are cpu_gemm.py's kernel (the gate/up one ending with the activation); in bf16
+    on a CPU with AMX, cpu_gemm_amx.py's, followed by the SiLU kernel: the same calls either way,
+    each kernel taking the model's dtype.
 
     When. `build` (after loading) checks each layer's modules as FlatForward's do; a step (`__call__`)
     also needs the part's PagedAttention on the CPU kernel with no KV connector (part 13 hooks the
@@ -181,6 +175,7 @@ class BoundLayers:
         method = {torch.float32: CpuGemmLinearMethod, torch.bfloat16: AmxGemmLinearMethod}.get(dtype)
         if method is None:
             return None
+        gated = dtype == torch.float32  # the fp32 kernel ends the gate/up GEMM with the activation
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731 (None: a NULL bias)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -193,7 +188,7 @@ class BoundLayers:
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(m.quant_method, method) and getattr(m, "gemm_weight", None) is not None
-                       and getattr(m, "gemm_gated", False) == (m is mlp.gate_up_proj) for m in linears):
+                       and getattr(m, "gemm_gated", False) == (gated and m is mlp.gate_up_proj) for m in linears):
                 return None
             if mlp.gate_up_proj.bias is not None:
                 return None
@@ -214,6 +209,7 @@ class BoundLayers:
         self.tensors = keep
         self.ops = _kernels(model.layers[0].input_layernorm, dtype)
         self.rotary = _kernels(model.layers[0].self_attn.rotary, dtype).rotary_embedding
+        self.silu = None if gated else _kernels(model.layers[0].mlp.act, dtype).silu_and_mul
         return self
 
     def _layer_caches(self, backend) -> list | None:
@@ -243,17 +239,18 @@ class BoundLayers:
         plan = backend.cpu_kernel.plan(metadata, heads // kv_heads, block_size, dtype)
         if plan.long or plan.slots.numel() != t or positions.numel() != t or not t:
             return None
-        lib, ops, rotary = self.lib, self.ops, self.rotary
-        gemm_, gated = (lib.amx_gemm, lib.amx_gemm_gated) if bf16 else (lib.gemm, lib.gemm_gated)
-        rms, fused_add = ops.rms_norm, ops.fused_add_rms_norm
+        lib, ops, rotary, silu = self.lib, self.ops, self.rotary, self.silu
+        gemm_ = lib.amx_gemm if bf16 else lib.gemm
+        gated, rms, fused_add = None if bf16 else lib.gemm_gated, ops.rms_norm, ops.fused_add_rms_norm
         store_kv, attend = backend.cpu_kernel.lib.store_kv, backend.cpu_kernel.lib.paged_attention_rows
         # The step's buffers: every layer writes the same ones (each is read before the next layer
         # writes it again); `down` ends as the returned hidden states, so a step never sees another's.
         width = (heads + 2 * kv_heads) * d
         qkv, out = torch.empty(t, width, dtype=dtype), torch.empty(t, heads * d, dtype=dtype)
         o, act, down = (torch.empty(t, n, dtype=dtype) for n in (hidden, self.inter, hidden))
+        gate_up = None if gated else torch.empty(t, 2 * self.inter, dtype=dtype)  # bf16: SiLU a call apart
         qkv_p, out_p, o_p = qkv.data_ptr(), out.data_ptr(), o.data_ptr()
-        act_p, down_p = act.data_ptr(), down.data_ptr()
+        act_p, down_p, gate_up_p = act.data_ptr(), down.data_ptr(), 0 if gated else gate_up.data_ptr()
         esz = qkv.element_size()
         k_p, v_p = qkv_p + esz * heads * d, qkv_p + esz * (heads + kv_heads) * d  # the K and V heads of a row
         res = x  # the residual, summed in place
@@ -287,8 +284,13 @@ class BoundLayers:
             if gemm_(t, hidden, heads * d, out_p, heads * d, o_w, o_p, hidden, o_b, threads):
                 raise MemoryError("CPU GEMM: no memory for its copy of x")
             fused_add(o_p, res_p, post_w, t, hidden, post_eps)
-            if gated(t, inter, hidden, o_p, hidden, gate_up_w, act_p, inter, 1, threads):  # with the activation
-                raise MemoryError("CPU GEMM: no memory for its copy of x")
+            if gated is not None:
+                if gated(t, inter, hidden, o_p, hidden, gate_up_w, act_p, inter, 1, threads):
+                    raise MemoryError("CPU GEMM: no memory for its copy of x")
+            else:
+                if gemm_(t, 2 * inter, hidden, o_p, hidden, gate_up_w, gate_up_p, 2 * inter, None, threads):
+                    raise MemoryError("CPU GEMM: no memory for its copy of x")
+                silu(gate_up_p, act_p, t, inter)
             if gemm_(t, hidden, inter, act_p, inter, down_w, down_p, hidden, down_b, threads):
                 raise MemoryError("CPU GEMM: no memory for its copy of x")
         down, _ = final_norm(down, res)

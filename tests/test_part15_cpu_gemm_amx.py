@@ -93,34 +93,12 @@ def test_strided_and_batched_inputs_and_no_rows(lib):
 
 
 @needs_amx
-@pytest.mark.parametrize("inter", [16, 96])  # one panel; and a few, split between the threads
-def test_the_gated_packing_gives_the_plain_bits_and_its_activation_silu_and_muls(lib, inter):
-    """The MLP's gate/up weight packed 16 gate columns beside the same 16 up columns: gate | up the
-    same bits as the plain packing, at any row count; with the activation as the GEMM's last step,
-    the bits fused_ops_cpu.c's silu_and_mul_bf16 gives on them (so the flat forward keeps the
-    modules' bits in bf16 too)."""
-    from part15_full.cpu_ops import load_ops
-
-    g = torch.Generator().manual_seed(inter)
-    x, w = 3 * bf16(130, 64, generator=g), bf16(2 * inter, 64, generator=g)  # gates up to ~+-60
-    packed, plain = amx.pack_weight(lib, w, gated=True), run(lib, x, w)
-    for rows in (1, 15, 16, 31, 130):  # under a tile, one, two with an overlapping last, many
-        assert torch.equal(amx.gemm_gated(lib, x[:rows], packed, inter, False), plain[:rows]), rows
-    act = torch.empty(130, inter, dtype=torch.bfloat16)
-    load_ops()[torch.bfloat16].silu_and_mul(plain.data_ptr(), act.data_ptr(), 130, inter)
-    assert torch.equal(amx.gemm_gated(lib, x, packed, inter, True), act)
-    gate, up = plain.double().chunk(2, -1)  # and it is silu(gate) * up, within a bf16 rounding
-    torch.testing.assert_close(act.double(), torch.nn.functional.silu(gate) * up, atol=1e-30, rtol=2 * U16)
-
-
-@needs_amx
 def test_the_engine_puts_every_bf16_linear_layer_on_it_and_keeps_the_logits(tmp_path):
     path = tiny_checkpoint(tmp_path)
     model = runner(path, dtype="bfloat16").model
     for m in linears(model):
         assert isinstance(m.quant_method, AmxGemmLinearMethod)
         assert m.gemm_weight is not None and m.packed_weight is None  # ours instead of oneDNN's
-    assert [m.gemm_gated for m in linears(model)] == [m.prefix.endswith("gate_up_proj") for m in linears(model)]
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     dense = load_model(path, torch.device("cpu"), torch.bfloat16)
     for m in linears(dense):  # the reference: the dense weight through F.linear, in fp32

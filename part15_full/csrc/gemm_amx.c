@@ -28,22 +28,12 @@
    share the call (the engine needs that, as with the fp32 kernel). The fp32 sums, plus the bias,
    are rounded to bf16 once (to nearest even), as oneDNN does.
 
-   The MLP's gate/up weight may be packed gated instead (amx_pack_weight_gated: a panel's first tile
-   16 gate columns, its second the same 16 up columns), so that its GEMM can end with the
-   activation (amx_gemm_gated), as gemm_cpu.c's does in fp32: gate and up are rounded to bf16 as
-   the plain GEMM's output is, then go through silu_and_mul_bf16's steps, so the bits are the two
-   calls'. On a 2-core Sapphire Rapids VM a held-out bf16 decode step at 25-32 rows took 24.5-25.2
-   ms against 25.6-26.4 with the activation a call apart; a prefill step the same (the activation's
-   exponentials are the same work in either place).
-
    Threads (OpenMP, torch's own) take a contiguous run of panels each, so a weight is read once for
    all of a step's rows and each thread streams one stretch of it; while a panel is multiplied, the
    panel after next is asked for into L2, a 64-byte line per line the tiles load (the hardware's
    own prefetch starts too late on a decode step's short runs). Large M is cut into chunks of rows
    whose x fits in L2, each chunk walking all panels. Linux lends a process the tile registers only
    when asked (amx_init). */
-#include "vec_math.h"
-
 #include <immintrin.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -87,30 +77,18 @@ static void configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
-/* Panels of 32 output columns, each [K / 32][2 tiles][16 k pairs][16 columns][2]: tile t's column
-   c of panel p is row p * 32 + t * 16 + c of w [N, K]; gated, row p * 16 + c of the gate half
-   (t = 0) or of the up half (t = 1, `half` rows further on). */
-static void pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *out, int64_t half) {
+/* w [N, K] bf16 row-major -> [N / 32][K / 32][2 tiles][16 k pairs][16 columns][2]. */
+void amx_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < N / PANEL; p++)
         for (int64_t s = 0; s < K / KSTEP; s++)
             for (int t = 0; t < 2; t++)
                 for (int r = 0; r < 16; r++)
-                    for (int c = 0; c < 16; c++) {
-                        const int64_t n = half ? t * half + p * 16 + c : p * PANEL + t * 16 + c;
+                    for (int c = 0; c < 16; c++)
                         for (int e = 0; e < 2; e++)
                             out[((((p * (K / KSTEP) + s) * 2 + t) * 16 + r) * 16 + c) * 2 + e] =
-                                w[n * K + s * KSTEP + 2 * r + e];
-                    }
+                                w[(p * PANEL + t * 16 + c) * K + s * KSTEP + 2 * r + e];
 }
-
-/* w [N, K] bf16 row-major -> [N / 32][K / 32][2 tiles][16 k pairs][16 columns][2]. */
-void amx_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) { pack(w, N, K, out, 0); }
-
-/* The MLP's gate/up weight [2I, K] (gate rows, then up rows; I a multiple of 16) packed so that a
-   panel's first tile holds 16 gate columns and its second the same 16 up columns: the two halves
-   of silu(gate) * up meet in one panel's sums (amx_gemm_gated). */
-void amx_pack_weight_gated(const uint16_t *w, int64_t I, int64_t K, uint16_t *out) { pack(w, 2 * I, K, out, I); }
 
 /* fp32 sums [rows][32] (+ bias) -> bf16 y rows, rounded to nearest even. */
 static inline void store_rows(const float *acc, int rows, uint16_t *y, int64_t ldy, const uint16_t *bias) {
@@ -126,32 +104,6 @@ static inline void store_rows(const float *acc, int rows, uint16_t *y, int64_t l
         _mm256_storeu_si256((void *)(y + i * ldy), (__m256i)_mm512_cvtneps_pbh(v0));
         _mm256_storeu_si256((void *)(y + i * ldy + 16), (__m256i)_mm512_cvtneps_pbh(v1));
     }
-}
-
-/* What a panel's sums become. PLAIN: y's 32 columns (+ bias), store_rows. A gated panel (16 gate
-   columns, then the same 16 up columns): GATE_UP writes them at columns 0.. and `up` columns
-   further on, what amx_gemm gives on the plain packing; SILU rounds both to bf16 as GATE_UP
-   does, then writes silu(gate) * up through vec_math.h's silu_mul and rounding, what
-   fused_ops_cpu.c's silu_and_mul_bf16 computes from GATE_UP's output (the same bits). */
-enum { PLAIN, GATE_UP, SILU };
-
-static inline void store_gated(const float *acc, int rows, uint16_t *y, int64_t ldy, int64_t up, int mode) {
-    uint16_t gate[16 * 16], upv[16 * 16], o[16 * 16];
-    for (int i = 0; i < rows; i++) { /* rounded to bf16 as store_rows rounds */
-        const __m256i g = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + i * PANEL));
-        const __m256i u = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + i * PANEL + 16));
-        if (mode == GATE_UP) {
-            _mm256_storeu_si256((void *)(y + i * ldy), g);
-            _mm256_storeu_si256((void *)(y + i * ldy + up), u);
-        } else {
-            _mm256_storeu_si256((void *)(gate + i * 16), g);
-            _mm256_storeu_si256((void *)(upv + i * 16), u);
-        }
-    }
-    if (mode != SILU) return;
-    /* One loop over the tile's rows x 16: silu_and_mul_bf16's per-element steps, vectorized alike. */
-    for (int j = 0; j < rows * 16; j++) o[j] = f32_to_bf16(silu_mul(bf16_to_f32(gate[j]), bf16_to_f32(upv[j])));
-    for (int i = 0; i < rows; i++) memcpy(y + i * ldy, o + i * 16, 16 * sizeof(uint16_t));
 }
 
 /* One panel (`w`, K * 32 bf16) against one or two tiles of x rows (`two`), starting at x0 and x1
@@ -189,15 +141,10 @@ static inline void panel_block(int64_t K, const uint16_t *x0, const uint16_t *x1
     }
 }
 
-/* y = x[M, K] . W^T over N / 32 panels, each ending as `mode` says: PLAIN writes 32 columns a
-   panel (+ bias), the gated modes 16 (`up`: where GATE_UP's up half starts). Inlined with `mode` a
-   constant, so each mode's loop is compiled apart. */
-static inline __attribute__((always_inline)) int run(int64_t M, int64_t N, int64_t K, const uint16_t *x,
-                                                     int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy,
-                                                     const uint16_t *bias, int num_threads, const int mode,
-                                                     int64_t up) {
+/* y[M, N] = x[M, K] . W^T (+ bias[N]), all bf16; wp: W packed by amx_pack_weight. Returns 0. */
+int amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y,
+             int64_t ldy, const uint16_t *bias, int num_threads) {
     if (M <= 0) return 0;
-    const int64_t cols = mode == PLAIN ? PANEL : 16; /* y's columns a panel */
     const int64_t panels = N / PANEL, tiles = (M + 15) / 16; /* 16-row tiles of x */
     const int rows = M < 16 ? (int)M : 16;                     /* each tile's rows */
     /* Tile t's first row: 16 t, except a last tile that would run past M, which ends at M. */
@@ -223,11 +170,8 @@ static inline __attribute__((always_inline)) int run(int64_t M, int64_t N, int64
                     /* The panel PF_AHEAD on is asked for into L2 while this one is multiplied. */
                     const char *pf = t == t0 && p + PF_AHEAD < p1 ? (const char *)(w + PF_AHEAD * K * PANEL) : 0;
                     panel_block(K, x + ra * ldx, x + rb * ldx, ldx, two, w, acc, pf);
-                    for (int h = 0; h <= two; h++) {
-                        uint16_t *yt = y + (h ? rb : ra) * ldy + p * cols;
-                        if (mode == PLAIN) store_rows(acc + h * 16 * PANEL, rows, yt, ldy, b);
-                        else store_gated(acc + h * 16 * PANEL, rows, yt, ldy, up, mode);
-                    }
+                    store_rows(acc, rows, y + ra * ldy + p * PANEL, ldy, b);
+                    if (two) store_rows(acc + 16 * PANEL, rows, y + rb * ldy + p * PANEL, ldy, b);
                 }
             }
             _tile_release();
@@ -237,27 +181,9 @@ static inline __attribute__((always_inline)) int run(int64_t M, int64_t N, int64
     return 0;
 }
 
-/* y[M, N] = x[M, K] . W^T (+ bias[N]), all bf16; wp: W packed by amx_pack_weight. Returns 0. */
-int amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y,
-             int64_t ldy, const uint16_t *bias, int num_threads) {
-    return run(M, N, K, x, ldx, wp, y, ldy, bias, num_threads, PLAIN, 0);
-}
-
-/* The gate/up GEMM on a weight packed by amx_pack_weight_gated ([2I, K], I = `inter`): with `silu`,
-   y[M, I] = silu(x G^T) * (x U^T); without, y[M, 2I] = x G^T | x U^T, what amx_gemm gives on the
-   plain packing, bit for bit. Returns 0. */
-int amx_gemm_gated(int64_t M, int64_t inter, int64_t K, const uint16_t *x, int64_t ldx, const uint16_t *wp,
-                   uint16_t *y, int64_t ldy, int silu, int num_threads) {
-    if (silu) return run(M, 2 * inter, K, x, ldx, wp, y, ldy, 0, num_threads, SILU, 0);
-    return run(M, 2 * inter, K, x, ldx, wp, y, ldy, 0, num_threads, GATE_UP, inter);
-}
-
 #else /* no AMX in this build: amx_init says so, and nothing else is called */
 int amx_init(void) { return 0; }
 void amx_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {}
-void amx_pack_weight_gated(const uint16_t *w, int64_t I, int64_t K, uint16_t *out) {}
-int amx_gemm_gated(int64_t M, int64_t inter, int64_t K, const uint16_t *x, int64_t ldx, const uint16_t *wp,
-                   uint16_t *y, int64_t ldy, int silu, int num_threads) { return -1; }
 int amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y,
              int64_t ldy, const uint16_t *bias, int num_threads) { return -1; }
 #endif
