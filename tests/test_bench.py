@@ -153,9 +153,13 @@ def test_workload_floor_counts_every_token_once():
     attention = 4 * 2 * 4 * 16 * (1 + 2 + 3 + 4)
     assert f.flops == pytest.approx(2 * (4 * layers + 2 * head) + attention)
     assert f.compute_s == pytest.approx(f.flops / 1e11)
-    # The longest output sets the step count; each step reads every weight.
+    # The longest output sets the step count; each step reads every weight. Each decode token
+    # reads the cached K/V before it: prompt 3, output 2: position 3 reads 3; prompt 5, output 7:
+    # positions 5..10 read 5 + 6 + ... + 10 = 45 (the first output of each comes from the prefill).
     two = workload_floor(cfg, peaks, [3, 5], [2, 7])
-    assert two.min_steps == 7 and two.memory_s == pytest.approx(7 * linear_params(cfg) * 4 / 1e10)
+    kv = (3 + 45) * 2 * 2 * 2 * 16 * 4  # tokens read x K and V x layers x KV heads x head_dim x fp32
+    assert two.kv_bytes == kv
+    assert two.min_steps == 7 and two.memory_s == pytest.approx((7 * linear_params(cfg) * 4 + kv) / 1e10)
     assert two.bound_s == max(two.compute_s, two.memory_s)
     assert two.flops == pytest.approx(f.flops + workload_floor(cfg, peaks, [5], [7]).flops)
 

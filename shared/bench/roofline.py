@@ -124,12 +124,15 @@ def decode_step_cost(cfg: ModelConfig, batch_size: int, context_len: int,
 @dataclass
 class WorkloadFloor:
     """The least time any engine needs for a whole workload on this machine: every FLOP at the
-    measured GEMM peak, or, if longer, one full read of the weights per step for as many steps
-    as the longest output needs (its tokens come out one step at a time)."""
+    measured GEMM peak, or, if longer, its bytes at the measured bandwidth: one full read of the
+    weights per step for as many steps as the longest output needs (its tokens come out one step
+    at a time), and each decode token's read of its sequence's cached K and V (decode_step_cost
+    counts both in a step)."""
     flops: float
     compute_s: float
     min_steps: int
     memory_s: float
+    kv_bytes: float = 0.0  # the decode tokens' reads of cached K/V, in memory_s
 
     @property
     def bound_s(self) -> float:
@@ -140,17 +143,22 @@ def workload_floor(cfg: ModelConfig, peaks: MachinePeaks, prompt_lens: Sequence[
                    output_lens: Sequence[int], dtype_bytes: int = 4) -> WorkloadFloor:
     """A request with p prompt and o output tokens feeds p + o - 1 tokens through the layers
     (the last output is never fed back), applies the LM head o times, and its token at position
-    i attends over i + 1 keys."""
+    i attends over i + 1 keys. Its o - 1 decode tokens (positions p .. p + o - 2; the first output
+    comes from the prefill) each read the K and V of the i tokens before them from the cache; a
+    prompt's tokens are attended as they are made and read nothing cached."""
     head = cfg.vocab_size * cfg.hidden_size
     layers = linear_params(cfg) - head
     attn_per_key = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-    flops = 0.0
+    kv_per_token = 2.0 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    flops = cached = 0.0
     for p, o in zip(prompt_lens, output_lens):
         fed = p + o - 1
         flops += 2.0 * (fed * layers + o * head) + attn_per_key * fed * (fed + 1) / 2
+        cached += (o - 1) * p + (o - 1) * (o - 2) / 2 if o > 1 else 0  # the sum of i over p .. p + o - 2
     steps = max(output_lens, default=0)
-    memory = steps * linear_params(cfg) * dtype_bytes / peaks.bandwidth
-    return WorkloadFloor(flops, flops / peaks.matmul_flops, steps, memory)
+    kv_bytes = cached * kv_per_token
+    memory = (steps * linear_params(cfg) * dtype_bytes + kv_bytes) / peaks.bandwidth
+    return WorkloadFloor(flops, flops / peaks.matmul_flops, steps, memory, kv_bytes)
 
 
 @dataclass

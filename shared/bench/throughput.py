@@ -411,7 +411,8 @@ def format_table(res: ThroughputResult) -> str:
                     if not s.error and s.wall_s]
         lines.append(f"floor: {f['bound_s']:.2f} s, {f['output_tokens_per_s']:.0f} out tok/s at most on this "
                      f"machine ({f['flops'] / 1e12:.2f} TFLOP at {f['matmul_flops'] / 1e9:.0f} GFLOP/s = "
-                     f"{f['compute_s']:.2f} s; {f['min_steps']} steps x weights at "
+                     f"{f['compute_s']:.2f} s; {f['min_steps']} steps x weights and "
+                     f"{f.get('kv_bytes', 0) / 1e9:.1f} GB of decode K/V reads at "
                      f"{f['bandwidth'] / 1e9:.0f} GB/s = {f['memory_s']:.2f} s)"
                      + (f"; an engine at the floor would be {', '.join(ceilings)}" if ceilings else ""))
         ours = res.systems[0]
