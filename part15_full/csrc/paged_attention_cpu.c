@@ -16,9 +16,10 @@
 
    Softmax is online (one pass over the keys, a block at a time): a running maximum m, a running
    sum l of exp(score - m), and an output accumulator rescaled whenever m grows. q, the pool and out
-   are all fp32 or all bf16 (`bf16`); the sums are fp32 either way. A bf16 block is widened once
-   into the thread's fp32 buffer (a shift per element: vec_math.h) and the fp32 loops read that, so
-   a bf16 pool is half the bytes to read and each element is widened once, not once per query head.
+   are all fp32 or all bf16 (`bf16`); the sums are fp32 either way. A bf16 block's keys are widened
+   once into the thread's fp32 buffer (a shift per element: vec_math.h) and the score loops read
+   that; its values are widened in registers as they are summed. A bf16 pool is half the bytes to
+   read, and each element is widened once, not once per query head.
    Built by cpu_build.py with the system C compiler.
 
    Speed. Reading from memory is the floor, and the loops must not be slower than it. Each block's
@@ -39,21 +40,30 @@
    limit: a 16-token block is too short a run for the hardware prefetchers to learn, and without
    help the kernel read 8-9 GB/s of the machine's 30, stalled on the first load of each row. So
    while a block is summed, the next one (or, after an item's last block, the first of the thread's
-   next item) is asked for into L2, a row per key as the bf16 block is widened, spread over the
-   block's work: a burst of requests fills the core's miss buffers and stalls on them (fp32 has no
-   per-key pass before the scores and asks at the block's start). On a Zen 4 EPYC that made the
-   kernel 1.4x faster with 30 pools, bf16 and fp32, and changed nothing with the pool in cache. An
-   earlier prefetch into L1, all at once at each block's start, had been 6-8% faster on an AVX2
-   EPYC, and the kernel 1.26x faster without it on Zen 4.
+   next item) is asked for into L2, a row per key as the bf16 keys are widened, spread over the
+   block's work: a burst of requests fills the core's miss buffers and stalls on them (fp32 and
+   the AMX path have no per-key pass before the scores and ask at the block's start; on the
+   Sapphire Rapids VM, AMX asking over the values loop instead was 1.1x slower). On a Zen 4 EPYC
+   that made the kernel 1.4x faster with 30 pools, bf16 and fp32, and changed nothing with the
+   pool in cache. An earlier prefetch into L1, all at once at each block's start, had been 6-8%
+   faster on an AVX2 EPYC, and the kernel 1.26x faster without it on Zen 4.
 
    AMX. On a CPU with AMX tiles (Sapphire Rapids on), a bf16 decode row's scores are one tile
    multiply per 32 elements of the head: tdpbf16ps with 16 keys of the block as the left tile, read
    in place from the pool (rows KV x D elements apart), and the G query heads, laid out once a row
    as the right tile's (element pair, head) layout, into a 16 x G tile of fp32 scores. The keys are
-   then never widened; values still are, for the fp32 sums of the probabilities times values. The
-   products of two bf16 are exact in fp32 either way; only the order of the sums differs. On a
-   2-core Sapphire Rapids VM the kernel's time in a held-out bf16 round fell from 0.95-1.13 s to
-   0.90-0.94 s. attention_use_amx switches it (cpu_attention.py: VLLM_COURSE_CPU_ATTENTION_AMX=0). */
+   then never widened. The products of two bf16 are exact in fp32 either way; only the order of the
+   sums differs. On a 2-core Sapphire Rapids VM the kernel's time in a held-out bf16 round fell from
+   0.95-1.13 s to 0.90-0.94 s. attention_use_amx switches it (cpu_attention.py:
+   VLLM_COURSE_CPU_ATTENTION_AMX=0).
+
+   Values, all of a KV head's query heads at once. A block's softmax is taken for each query head
+   first, then one pass over its value rows adds each row into all G heads' sums (values_heads):
+   a row is loaded, and in bf16 widened, once instead of G times, and the bf16 values need no
+   widening pass through memory. Each sum adds its keys in the same order, so the bits are the
+   same. Decode attention alone on that VM (32 rows, 5,690 keys, 30 layers' pools, alternated
+   builds): fp32 15.1-15.3 -> 13.8-14.5 ms a step, bf16 without AMX 13.5-14.0 -> 8.3-8.5, bf16 with
+   AMX scores 8.7-9.3 -> 8.4-9.3 (the two bf16 paths now about even). */
 #include "vec_math.h"
 
 #include <float.h>
@@ -85,7 +95,7 @@ typedef struct {
     const unsigned char *tiled; /* tiled[t]: tile t goes through prefill_tiles.h */
     int64_t q_row_stride, out_row_stride, table_stride;
     int num_kv_heads, group, head_dim, block_size, bf16;
-    float *widened; /* bf16: this thread's 2 x block_size x head_dim floats, a block's K and V */
+    float *widened; /* bf16: this thread's 2 x block_size x head_dim floats (a block's K and V, widened) */
     float scale;
     int64_t begin, end; /* this thread's work items: item = tile * num_kv_heads + kv_head */
 } Job;
@@ -250,6 +260,38 @@ static inline void amx_scores(const uint16_t *k16, int64_t row_stride, int n, co
 }
 #endif
 
+/* Sixteen bf16 as fp32 (a shift each: exact), from any address. */
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+static inline vec16 widen16(const uint16_t *p) {
+    return (vec16)(__builtin_convertvector(*(const u16x16 *)p, u32x16) << 16);
+}
+
+/* acc[g][0:16C] = acc[g] * shrink[g] + sum over the block's keys j of p[g][j] * v_j, for `gn` query
+   heads at once (a constant where inlined, so their C x gn sums stay in registers): each value row
+   is loaded (and, bf16, widened) once for all of them, where a pass per head loaded it gn times.
+   Each sum still adds its keys in order, as a pass per head did. */
+static inline __attribute__((always_inline)) void values_heads(const int gn, int n, const float *p, int bs,
+                                                               const void *v, int64_t stride, const int C,
+                                                               const int D, const float *shrink, float *acc,
+                                                               const int bf16) {
+    vec16 o[6][CHUNKS];
+    for (int g = 0; g < gn; g++)
+        for (int c = 0; c < C; c++) o[g][c] = load16(acc + g * D + 16 * c) * splat16(shrink[g]);
+    for (int j = 0; j < n; j++) {
+        vec16 vj[CHUNKS];
+        for (int c = 0; c < C; c++)
+            vj[c] = bf16 ? widen16((const uint16_t *)v + j * stride + 16 * c)
+                         : load16((const float *)v + j * stride + 16 * c);
+        for (int g = 0; g < gn; g++) {
+            const vec16 pj = splat16(p[g * bs + j]);
+            for (int c = 0; c < C; c++) o[g][c] += pj * vj[c];
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int c = 0; c < C; c++) store16(acc + g * D + 16 * c, o[g][c]);
+}
+
 /* The row kernel: one query row r and one KV head. Inlined with D and the element type constants for the common head
    sizes, so the loops over D unroll and the output accumulators stay in registers while the keys
    stream by. k and v point at this block's first K and V rows, `stride` floats apart: in the pool
@@ -289,23 +331,18 @@ static inline __attribute__((always_inline)) void attend_row(const Job *job, int
         const int64_t next = next_block_at(job, item, t0, len, table, row_stride, D);
         const int ahead = next < 0 ? 0 : bs; /* its rows to ask for (past its length: a few wasted hints) */
         if (bf16) {
-            const uint16_t *k16 = (const uint16_t *)job->k_cache + at, *v16 = (const uint16_t *)job->v_cache + at;
-            float *kw = job->widened, *vw = kw + (int64_t)bs * D;
-            if (amx) /* keys stay bf16, read by the tiles where they lie; only values are widened */
-                for (int j = 0; j < n; j++) {
-                    if (j < ahead) prefetch_row(job, next, j, row_stride, D, 2);
-                    for (int d = 0; d < D; d++) vw[j * D + d] = bf16_to_f32(v16[j * row_stride + d]);
-                }
-            else
+            const uint16_t *k16 = (const uint16_t *)job->k_cache + at;
+            float *kw = job->widened;
+            if (amx) { /* keys stay bf16, read by the tiles where they lie */
+                for (int j = 0; j < ahead; j++) prefetch_row(job, next, j, row_stride, D, 2);
+            } else {
                 for (int j = 0; j < n; j++) {
                     if (j < ahead) prefetch_row(job, next, j, row_stride, D, 2); /* a row per key: spread out */
-                    for (int d = 0; d < D; d++) {
-                        kw[j * D + d] = bf16_to_f32(k16[j * row_stride + d]);
-                        vw[j * D + d] = bf16_to_f32(v16[j * row_stride + d]);
-                    }
+                    for (int d = 0; d < D; d++) kw[j * D + d] = bf16_to_f32(k16[j * row_stride + d]);
                 }
-            for (int j = n; j < ahead; j++) prefetch_row(job, next, j, row_stride, D, 2); /* a short last block */
-            k = kw, v = vw, stride = D;
+                for (int j = n; j < ahead; j++) prefetch_row(job, next, j, row_stride, D, 2); /* a short last block */
+            }
+            k = kw, v = NULL, stride = D; /* values: read from the pool, widened in registers */
         } else {
             k = (const float *)job->k_cache + at, v = (const float *)job->v_cache + at, stride = row_stride;
             for (int j = 0; j < ahead; j++) prefetch_row(job, next, j, row_stride, D, 4); /* no per-key loop here */
@@ -340,14 +377,16 @@ static inline __attribute__((always_inline)) void attend_row(const Job *job, int
                 s[g * bs + j] = dot * job->scale;
             }
         }
-        for (int g = 0; g < G; g++) { /* online softmax, then this block's values */
+        float shrink[MAX_GROUP];
+        for (int g = 0; g < G; g++) { /* online softmax */
             const float block_max = max_from(s + g * bs, n, m[g]);
-            float *a = acc + g * D, c_old = 1.f;
+            float c_old = 1.f;
             if (block_max > m[g]) { /* a new maximum: what was summed so far shrinks */
                 c_old = expf(m[g] - block_max);
                 l[g] *= c_old;
                 m[g] = block_max;
             }
+            shrink[g] = c_old;
             float *p = s + g * bs;
             for (int j = 0; j < n; j++) p[j] = exp_approx(p[j] - m[g]); /* vectorized (vec_math.h) */
             vec8 sum = {0}; /* eight partial sums: one running sum would be a chain of dependent adds */
@@ -356,18 +395,26 @@ static inline __attribute__((always_inline)) void attend_row(const Job *job, int
             float block_sum = sum8(sum);
             for (; j < n; j++) block_sum += p[j];
             l[g] += block_sum;
-            vec16 o[CHUNKS];
-            const vec16 shrink = splat16(c_old);
-            for (int c = 0; c < C; c++) o[c] = load16(a + 16 * c) * shrink;
-            for (int j = 0; j < n; j++) {
-                const float *vj = v + j * stride;
-                const vec16 pj = splat16(p[j]);
-                for (int c = 0; c < C; c++) o[c] += pj * load16(vj + 16 * c);
+        }
+        /* This block's values, for the query heads a few at a time (what the registers hold). */
+        const void *vb = bf16 ? (const void *)((const uint16_t *)job->v_cache + at) : (const void *)v;
+        const int64_t vs = bf16 ? row_stride : stride;
+        const int per = C <= 4 ? 6 : C <= 8 ? 3 : 1;
+        for (int g0 = 0; g0 < G; g0 += per) {
+            const int gn = G - g0 < per ? G - g0 : per;
+            switch (gn) {
+#define HEADS(h) case h: values_heads(h, n, s + g0 * bs, bs, vb, vs, C, D, shrink + g0, acc + g0 * D, bf16); break;
+            HEADS(1) HEADS(2) HEADS(3) HEADS(4) HEADS(5) HEADS(6)
+#undef HEADS
+            default: break;
             }
-            for (int c = 0; c < C; c++) store16(a + 16 * c, o[c]);
-            for (int d = 16 * C; d < D; d++) { /* head sizes off the vector width */
-                a[d] *= c_old;
-                for (int j = 0; j < n; j++) a[d] += p[j] * v[j * stride + d];
+        }
+        for (int g = 0; g < G; g++) { /* head sizes off the vector width */
+            float *a = acc + g * D;
+            const float *p = s + g * bs;
+            for (int d = 16 * C; d < D; d++) {
+                a[d] *= shrink[g];
+                for (int j = 0; j < n; j++) a[d] += p[j] * load_elem(vb, j * vs + d, bf16);
             }
         }
     }
