@@ -35,8 +35,9 @@
    at one block's start would stall on the core's miss buffers): 1.25x faster at 32 rows with
    30 layers' weights out of cache. A step of one block (up to MR rows) asks for both 64-byte
    lines of its 128: with one, half the next panel was left to the hardware, and 8-14 rows took
-   longer than 16 (a Sapphire Rapids VM, 30 layers' four projections: 31.1 -> 23.8 ms at 14 rows). Large M is cut into chunks of rows whose x fits in L2
-   (~512 KiB) and each chunk walks all panels. Threads (OpenMP, torch's own) take panels at a
+   longer than 16 (a Sapphire Rapids VM, 30 layers' four projections and the LM head: 31.1 -> 23.8
+   ms a step at 14 rows). Large M is cut into chunks of rows whose x fits in L2 (~512 KiB) and
+   each chunk walks all panels. Threads (OpenMP, torch's own) take panels at a
    decode step's few rows, and chunks of rows from SPLIT_ROWS rows a thread (a prefill's): each
    thread then packs its own rows and nothing waits between packing and multiplying (1.03-1.05x
    on 128-974 rows). */
@@ -152,8 +153,8 @@ static inline __attribute__((always_inline)) void micro(const int mr, int64_t K,
     for (int i = 0; i < mr; i++) {
         /* The row's two vectors as floats through a union, stored whole: copied as floats
            (memcpy into a float array), GCC spilled them in halves and read them back whole, a
-           stalled store-to-load forward per row that made the SiLU epilogue 1.15-1.24x the
-           plain GEMM's time at 975 rows (now 1.0x). */
+           stalled store-to-load forward per row that made the gate/up GEMM with its SiLU take
+           1.13-1.24x the plain GEMM's time at 256-975 rows (now 1.0x). */
         union { vec v[2]; float f[NR]; } acc_row = {{a0[i], a1[i]}};
         const float *t = acc_row.f;
         float *row = y + i * ldy;
