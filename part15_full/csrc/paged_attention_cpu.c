@@ -294,8 +294,8 @@ static inline __attribute__((always_inline)) void values_heads(const int gn, int
 
 /* The row kernel: one query row r and one KV head. Inlined with D and the element type constants for the common head
    sizes, so the loops over D unroll and the output accumulators stay in registers while the keys
-   stream by. k and v point at this block's first K and V rows, `stride` floats apart: in the pool
-   (fp32), or in the thread's buffer, widened (bf16). */
+   stream by. k points at this block's first K row, `stride` floats apart: in the pool (fp32), or
+   in the thread's buffer, widened (bf16 without AMX); values_heads reads the V rows in the pool. */
 static inline __attribute__((always_inline)) void attend_row(const Job *job, int64_t item, int r, const int D,
                                                              const int bf16) {
     const int KV = job->num_kv_heads, G = job->group, bs = job->block_size, C = D / 16;
