@@ -21,7 +21,8 @@
    so a panel is one contiguous run of K * 64 bytes, read in order. x is read in place (rows `ldx`
    elements apart), with no copy: when M is over 16 and not a multiple of it, the last tile is the
    last 16 rows, overlapping the tile before it (the rows they share are computed twice, to the
-   same bits, and stored twice); under 16 rows, the tiles are configured that many rows high. N and K must be multiples of 32 (the Python side checks).
+   same bits, and stored twice); under 16 rows, the tiles are configured that many rows high. N
+   and K must be multiples of 32 (the Python side checks).
 
    Every output starts from a zeroed tile and adds its k-steps in order, whatever M is, which rows
    share its block and which thread takes its panel: a row's result does not depend on how many rows

@@ -63,7 +63,9 @@
    widening pass through memory. Each sum adds its keys in the same order, so the bits are the
    same. Decode attention alone on that VM (32 rows, 5,690 keys, 30 layers' pools, alternated
    builds): fp32 15.1-15.3 -> 13.8-14.5 ms a step, bf16 without AMX 13.5-14.0 -> 8.3-8.5, bf16 with
-   AMX scores 8.7-9.3 -> 8.4-9.3 (the two bf16 paths now about even). */
+   AMX scores 8.7-9.3 -> 8.4-9.3. The AMX scores still pay, if less than before: alternated in one
+   process, 8.34-9.39 ms (median 8.51) against 8.69-9.13 (8.84) without, and 6.44-6.70 against
+   7.74-7.81 with the pools in L3. */
 #include "vec_math.h"
 
 #include <float.h>

@@ -149,7 +149,7 @@ def workload_floor(cfg: ModelConfig, peaks: MachinePeaks, prompt_lens: Sequence[
     head = cfg.vocab_size * cfg.hidden_size
     layers = linear_params(cfg) - head
     attn_per_key = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-    kv_per_token = 2.0 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    kv_per_token = decode_step_cost(cfg, 1, 1, dtype_bytes).kv_bytes  # one cached token's K and V, every layer
     flops = cached = 0.0
     for p, o in zip(prompt_lens, output_lens):
         fed = p + o - 1
