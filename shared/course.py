@@ -23,7 +23,9 @@ is one copy that every part imports, so a diff of two part folders cannot show w
 there; its `[shared]` table names the definitions of shared/ the stage introduced (file -> names,
 "Class" or "Class.method"), `diff` prints their code after the folders' diff, and `check` makes
 sure they exist. `check` also holds each lesson to its notebook: every figure the lesson's
-"Measured" section quotes must appear in the notebook's saved outputs (see `lesson_figures`).
+"Measured" section quotes must appear in the notebook's saved outputs (see `lesson_figures`). And
+it holds the docs (lessons, README.md, SOLUTIONS.md, deploy/README.md, the notebooks' markdown) to
+the present tense: no line narrates how the project was made (see `narration`).
 
 Build-it-yourself mode. A stage's `[[exercise.functions]]` tables name the functions that carry
 its technique ("file.py:function" or "file.py:Class.method"), the lesson section that explains
@@ -74,6 +76,7 @@ class Stage:
     removed: list[str] = field(default_factory=list)
     shared: dict[str, list[str]] = field(default_factory=dict)  # shared/ file -> names it introduced
     exercise: dict = field(default_factory=dict)  # the [exercise] table (see exercise_functions)
+    appendix: list[str] = field(default_factory=list)  # folders of the part that are appendices ("cpu/")
 
     @property
     def name(self) -> str:
@@ -93,7 +96,8 @@ def stages(root: Path = ROOT) -> list[Stage]:
             meta = tomllib.loads((d / MANIFEST).read_text()) if (d / MANIFEST).exists() else {}
             out.append(Stage(d, int(m.group(1)), meta.get("technique", ""), meta.get("changed", []),
                              meta.get("added", []), meta.get("removed", []), meta.get("shared", {}),
-                             meta.get("exercise", {})))
+                             meta.get("exercise", {}),
+                             [a.rstrip("/") for a in meta.get("appendix", [])]))
     return out
 
 
@@ -142,6 +146,7 @@ def check(root: Path = ROOT) -> list[str]:
         problems += exercise_problems(s, root)
         problems += figure_problems(s, root)
         problems += excerpt_problems(s, root)
+    problems += narration_problems(root)
     return problems
 
 
@@ -641,6 +646,86 @@ def excerpt_problems(stage: Stage, root: Path = ROOT) -> list[str]:
             if best < len(lines):
                 problems.append(f"{stage.name}/README.md, The code: an excerpt's line {lines[best]!r} "
                                 f"is not in the part's code (in that order)")
+    return problems
+
+
+# ------------------------------------------------------------------------------- narration
+
+# Lines that tell how the project was made instead of what the code is: "a ninth session", "this
+# session's change", "a slow spell", "on a later day", "earlier runs of this table". Code words are
+# not narration: inline code and fenced blocks are left out before matching, and "session" after a
+# dot or in an identifier (requests.Session, start_new_session) or after a word that makes it a
+# software session ("a Python session", "an HTTP session") is allowed.
+_NARRATION = re.compile(r"""
+      (?<![.\w])sessions?\b                                   # a ninth session, this session
+    | \bspells?\b(?!\s+(?:out|it)\b)                         # a slow spell (not "spell out")
+    | \b(?:an?|the|one|another|some)\s+(?:later|earlier|previous|next|other)\s+days?\b
+    | \ba\s+day\s+(?:later|earlier|before)\b
+    | \b(?:earlier|previous|prior|older)\s+(?:runs?|measurements?)\s+(?:of|on|in|before)\b
+    """, re.I | re.X)
+_SOFTWARE_SESSION = re.compile(r"\b(?:python|ipython|interactive|jupyter|notebook|http|https|client|aiohttp|"
+                               r"requests|tcp|tls|ssh|shell|terminal|login|browser|tmux|kernel)\s+sessions?\b",
+                               re.I)
+
+
+def prose_lines(markdown: str) -> list[tuple[int, str]]:
+    """(line number from 1, text) of each line outside fenced code blocks, inline code removed."""
+    out, fence = [], None
+    for i, line in enumerate(markdown.splitlines(), 1):
+        stripped = line.lstrip()
+        if stripped.startswith(("```", "~~~")):
+            mark = stripped[:3]
+            fence = None if fence == mark else (fence or mark)
+            continue
+        if fence is None:
+            out.append((i, re.sub(r"`[^`\n]*`", " ", line)))
+    return out
+
+
+def narration(text: str) -> list[tuple[int, str]]:
+    """(line number, words) of each line of a markdown text that narrates how the project was made."""
+    hits = []
+    for n, line in prose_lines(text):
+        allowed = {m.end() - len(m.group(0).split()[-1]) for m in _SOFTWARE_SESSION.finditer(line)}
+        found = [m.group(0) for m in _NARRATION.finditer(line) if m.start() not in allowed]
+        if found:
+            hits.append((n, ", ".join(repr(" ".join(f.split())) for f in found)))
+    return hits
+
+
+def lesson_paths(root: Path = ROOT) -> list[Path]:
+    """Every lesson: each part's README.md and each of its appendices' README.md."""
+    out = []
+    for s in stages(root):
+        out += [p for p in [s.path / "README.md"] + [s.path / a / "README.md" for a in s.appendix] if p.is_file()]
+    return out
+
+
+def doc_paths(root: Path = ROOT) -> list[Path]:
+    """The course's prose: the lessons, the top-level README.md and SOLUTIONS.md, deploy/README.md,
+    and the notebooks (their markdown cells)."""
+    docs = lesson_paths(root) + [root / f for f in ("README.md", "SOLUTIONS.md", "deploy/README.md")]
+    return [p for p in docs if p.is_file()] + sorted((root / "notebooks").glob("*.ipynb"))
+
+
+def narration_problems(root: Path = ROOT) -> list[str]:
+    """The doc lines that narrate how the project was made ("a ninth session", "a slow spell", "a
+    later day", "earlier runs of this table"): the docs describe the code and its figures as they
+    are now; git history keeps the story."""
+    import json
+
+    problems = []
+    for path in doc_paths(root):
+        rel = path.relative_to(root).as_posix()
+        if path.suffix == ".ipynb":
+            cells = json.loads(path.read_text())["cells"]
+            texts = [(f"{rel}, markdown cell {i}, line ", "".join(c["source"]))
+                     for i, c in enumerate(cells) if c["cell_type"] == "markdown"]
+        else:
+            texts = [(f"{rel}:", path.read_text())]
+        for where, text in texts:
+            problems += [f"{where}{n}: narrates how the project was made ({words}); say what the code "
+                         f"is and what it measures now" for n, words in narration(text)]
     return problems
 
 

@@ -322,3 +322,53 @@ def test_grade_fails_on_the_stubs_and_passes_on_the_finished_part(part, tmp_path
     report = capsys.readouterr().out
     for f in funcs:
         assert f"pass  {f.label} " in report, report
+
+
+# ---- the docs describe the code as it is --------------------------------------------------------
+
+NARRATING = [
+    "A ninth session found two stalls in the GEMM.",
+    "(this session's change, the machine in a slow spell)",
+    "measured on a later day, 1.2x",
+    "Earlier runs of this table, before the kernel:",
+    "an earlier run on another day measured DP 2 ahead",
+    "the same VM, a day later",
+]
+NOT_NARRATING = [
+    "Start it in a Python session: `build_app(LLM(), \"m\")`.",
+    "An HTTP session per client; `requests.Session()` keeps the connection.",
+    "The grader runs pytest with `start_new_session=True`; so does requests.Session.",
+    "The lesson spells out the rules, and each day of the week is a row.",
+    "```\nsession = aiohttp.ClientSession()  # a slow spell of code is still code\n```",
+]
+
+
+def test_narration_catches_how_the_project_was_made_and_not_code_words():
+    for line in NARRATING:
+        assert course.narration(line), line
+    for text in NOT_NARRATING:
+        assert course.narration(text) == [], text
+    assert course.narration("ok\n\nThe fifth session ran it.\n") == [(3, "'session'")]
+
+
+def test_check_fails_on_a_doc_line_that_narrates(tmp_path):
+    import nbformat
+
+    copy_parts(tmp_path, "part01_simple_server")
+    assert course.narration_problems(tmp_path) == []
+    lesson = tmp_path / "part01_simple_server" / "README.md"
+    lesson.write_text(lesson.read_text() + "\n" + "\n".join(NOT_NARRATING) + "\n")
+    (tmp_path / "SOLUTIONS.md").write_text("# Solutions\n\n" + NARRATING[1] + "\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 01\n\n" + NARRATING[2]),
+                nbformat.v4.new_code_cell("session = 'a slow spell'  # code, not prose")]
+    nbformat.write(nb, tmp_path / "notebooks" / "01_simple_server.ipynb")
+    problems = course.narration_problems(tmp_path)
+    assert problems == [
+        "SOLUTIONS.md:3: narrates how the project was made ('session', 'spell'); say what the code is and "
+        "what it measures now",
+        "notebooks/01_simple_server.ipynb, markdown cell 0, line 3: narrates how the project was made "
+        "('a later day'); say what the code is and what it measures now"], problems
+    assert set(problems) <= set(course.check(tmp_path))
+    lesson.write_text(lesson.read_text() + NARRATING[0] + "\n")
+    assert any(p.startswith("part01_simple_server/README.md:") for p in course.narration_problems(tmp_path))
