@@ -1,7 +1,8 @@
 """The course tool.
 
     python -m shared.course list             the parts and their techniques
-    python -m shared.course diff A B [--stat] one stage against another (e.g. part01 part02)
+    python -m shared.course diff A B [--stat] one stage against another (e.g. part01 part02): the
+                                             stage's files, then each appendix's under a heading
     python -m shared.course check            carried-forward files are byte-identical unless the
                                              part's stage.toml declares them changed
     python -m shared.course servers          the parts grouped by identical server.py
@@ -22,8 +23,13 @@ Each part folder holds a `stage.toml`: the technique it teaches and the files it
 is one copy that every part imports, so a diff of two part folders cannot show what a stage needed
 there; its `[shared]` table names the definitions of shared/ the stage introduced (file -> names,
 "Class" or "Class.method"), `diff` prints their code after the folders' diff, and `check` makes
-sure they exist. `check` also holds each lesson to its notebook: every figure the lesson's
-"Measured" section quotes must appear in the notebook's saved outputs (see `lesson_figures`). And
+sure they exist. A part may also keep appendix folders (`appendix = ["cpu/"]`: code that is not
+the stage's technique, with its own lesson, e.g. part15_full/cpu/README.md); `diff` shows them apart
+from the stage, and their lessons are held to the code as the part's lesson is.
+
+`check` also holds each lesson (a part's README.md and its appendices') to its notebook: every
+figure its measured sections quote ("measured" in the heading, or "Results" first) must be in the
+part's notebook's saved outputs or in a JSON file the lesson links (see `lesson_figures`). And
 it holds the docs (lessons, README.md, SOLUTIONS.md, deploy/README.md, the notebooks' markdown) to
 the present tense: no line narrates how the project was made (see `narration`).
 
@@ -82,6 +88,15 @@ class Stage:
     def name(self) -> str:
         return self.path.name
 
+    def lessons(self) -> list[Path]:
+        """The part's lesson (README.md) and each appendix's (e.g. cpu/README.md), those that exist."""
+        paths = [self.path / "README.md"] + [self.path / a / "README.md" for a in self.appendix]
+        return [p for p in paths if p.is_file()]
+
+    def group_of(self, file: str) -> str:
+        """The appendix folder (e.g. "cpu") that a part-relative file lies in, else "" (the stage)."""
+        return next((a for a in self.appendix if file.startswith(a + "/")), "")
+
     def files(self) -> dict[str, Path]:
         return {p.relative_to(self.path).as_posix(): p for p in sorted(self.path.rglob("*"))
                 if p.is_file() and p.name != MANIFEST and not _SKIP_DIRS & set(p.parts)
@@ -139,6 +154,9 @@ def check(root: Path = ROOT) -> list[str]:
             if f not in after or f not in before:
                 problems.append(f"{cur.name}/{f} is declared changed but is not in both parts")
     for s in all_stages:
+        for a in s.appendix:
+            if not (s.path / a).is_dir():
+                problems.append(f"{s.name}/{MANIFEST} declares the appendix {a}/, which does not exist")
         for f, names in s.shared.items():
             for name in names:
                 if shared_source(f, name, root) is None:
@@ -504,16 +522,20 @@ def _strip_code(markdown: str) -> str:
     return re.sub(r"\]\([^)]*\)", "]", text)
 
 
-def measured_section(markdown: str) -> str:
-    """The lesson's section whose heading contains "Measured" (any case), up to the next heading
-    of the same or a higher level; "" when there is none."""
+MEASURED_HEADING = re.compile(r"\bmeasured\b|^results\b", re.I)
+
+
+def measured_sections(markdown: str) -> str:
+    """Every section of a lesson whose heading contains "measured" or starts with "Results" (any
+    case), each up to the next heading of the same or a higher level, joined; "" when there is none."""
     heads = _headings(markdown)
     lines = markdown.splitlines()
+    out, covered = [], -1
     for i, (level, title, line) in enumerate(heads):
-        if "measured" in title.lower():
-            end = next((ln for lv, _, ln in heads[i + 1:] if lv <= level), len(lines))
-            return "\n".join(lines[line + 1:end])
-    return ""
+        if line > covered and MEASURED_HEADING.search(title.strip()):
+            covered = next((ln for lv, _, ln in heads[i + 1:] if lv <= level), len(lines))
+            out.append("\n".join(lines[line + 1:covered]))
+    return "\n".join(out)
 
 
 def lesson_figures(markdown_section: str) -> list[Figure]:
@@ -571,33 +593,53 @@ def figure_shown(fig: Figure, numbers: list[float]) -> bool:
     return any(same(m) or (fig.percent and same(m * 100)) for m in numbers)
 
 
+def linked_json(markdown: str, folder: Path) -> list[Path]:
+    """The JSON files a markdown text links to (`[text](path.json)`, relative to its folder)."""
+    links = re.findall(r"\]\(([^)\s#]+\.json)(?:#[^)]*)?\)", markdown)
+    return [p for p in dict.fromkeys((folder / link).resolve() for link in links) if p.is_file()]
+
+
 def figure_problems(stage: Stage, root: Path = ROOT) -> list[str]:
-    """The figures of the stage's lesson's Measured section that its notebook's outputs lack."""
+    """The figures of the measured sections of the stage's lessons (its README.md and each
+    appendix's) that neither the part's notebook's outputs nor a JSON file the lesson links show."""
     import json
 
-    lesson = stage.path / "README.md"
-    if not lesson.is_file():
-        return []
-    figures = lesson_figures(measured_section(lesson.read_text()))
-    if not figures:
-        return []
+    problems = []
     books = sorted((root / "notebooks").glob(f"{stage.number:02d}_*.ipynb"))
-    if not books:
-        return [f"{stage.name}/README.md quotes measurements but there is no notebooks/{stage.number:02d}_*.ipynb"]
-    numbers = _numbers("\n".join(notebook_output_text(json.loads(b.read_text())) for b in books))
-    names = ", ".join(f"notebooks/{b.name}" for b in books)
-    return [f"{stage.name}/README.md, measured section: {f.text!r} is not in the outputs of {names}"
-            for f in dict.fromkeys(figures) if not figure_shown(f, numbers)]
+    notebook_text = "\n".join(notebook_output_text(json.loads(b.read_text())) for b in books)
+    for lesson in stage.lessons():
+        rel = lesson.relative_to(root).as_posix()
+        markdown = lesson.read_text()
+        figures = lesson_figures(measured_sections(markdown))
+        if not figures:
+            continue
+        if not books:
+            problems.append(f"{rel} quotes measurements but there is no notebooks/{stage.number:02d}_*.ipynb")
+            continue
+        data = linked_json(markdown, lesson.parent)
+        numbers = _numbers("\n".join([notebook_text] + [p.read_text() for p in data]))
+        names = ", ".join([f"notebooks/{b.name}" for b in books] + [_rel(p, root) for p in data])
+        problems += [f"{rel}, measured section: {f.text!r} is not in the outputs of {names}"
+                     for f in dict.fromkeys(figures) if not figure_shown(f, numbers)]
+    return problems
 
-def code_section(markdown: str) -> str:
-    """The lesson's "The code" section (its code walk), up to the next heading of its level."""
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+def code_section(markdown: str, whole: bool = False) -> str:
+    """The lesson's "The code" section (its code walk), up to the next heading of its level; when
+    it has none, "" (or with `whole`, the whole text: an appendix may walk its code throughout)."""
     heads = _headings(markdown)
     lines = markdown.splitlines()
     for i, (level, title, line) in enumerate(heads):
         if title.strip().lower() == "the code":
             end = next((ln for lv, _, ln in heads[i + 1:] if lv <= level), len(lines))
             return "\n".join(lines[line + 1:end])
-    return ""
+    return markdown if whole else ""
 
 
 def _code_of(line: str) -> str:
@@ -629,23 +671,26 @@ def _contains_in_order(lines: list[str], source: list[str]) -> int:
 def excerpt_problems(stage: Stage, root: Path = ROOT) -> list[str]:
     """The python and C excerpts of a lesson's code walk that are not the part's code: each one's
     lines must appear, in order, in one file of the part or of shared/ (.py; .c and .h for C;
-    elisions `...` and comments aside), so a lesson cannot show code the part no longer has."""
-    lesson = stage.path / "README.md"
-    if not lesson.is_file():
-        return []
-    section = code_section(lesson.read_text())
+    elisions `...` and comments aside), so a lesson cannot show code the part no longer has. The
+    code walk is the lesson's "The code" section; an appendix's lesson (cpu/README.md) is all code
+    walk unless it has that section."""
     problems = []
-    for lang, suffixes, code_of, comments in (("python", (".py",), _code_of, ("#",)),
-                                              ("c", (".c", ".h"), _c_code_of, ("/*", "*"))):
-        blocks = re.findall(rf"^```{lang}\n(.*?)^```", section, re.S | re.M)
-        files = [f for d in (stage.path, root / "shared") for f in d.rglob("*") if f.suffix in suffixes]
-        sources = [[code_of(line) for line in f.read_text().splitlines()] for f in files]
-        for block in blocks:
-            lines = excerpt_lines(block, code_of, comments)
-            best = max((_contains_in_order(lines, src) for src in sources), default=0)
-            if best < len(lines):
-                problems.append(f"{stage.name}/README.md, The code: an excerpt's line {lines[best]!r} "
-                                f"is not in the part's code (in that order)")
+    for lesson in stage.lessons():
+        rel = lesson.relative_to(root).as_posix()
+        section = code_section(lesson.read_text(), whole=lesson.parent != stage.path)
+        for lang, suffixes, code_of, comments in (("python", (".py",), _code_of, ("#",)),
+                                                  ("c", (".c", ".h"), _c_code_of, ("/*", "*"))):
+            blocks = re.findall(rf"^```{lang}\n(.*?)^```", section, re.S | re.M)
+            if not blocks:
+                continue
+            files = [f for d in (stage.path, root / "shared") for f in d.rglob("*") if f.suffix in suffixes]
+            sources = [[code_of(line) for line in f.read_text().splitlines()] for f in files]
+            for block in blocks:
+                lines = excerpt_lines(block, code_of, comments)
+                best = max((_contains_in_order(lines, src) for src in sources), default=0)
+                if best < len(lines):
+                    problems.append(f"{rel}, The code: an excerpt's line {lines[best]!r} "
+                                    f"is not in the part's code (in that order)")
     return problems
 
 
@@ -695,10 +740,7 @@ def narration(text: str) -> list[tuple[int, str]]:
 
 def lesson_paths(root: Path = ROOT) -> list[Path]:
     """Every lesson: each part's README.md and each of its appendices' README.md."""
-    out = []
-    for s in stages(root):
-        out += [p for p in [s.path / "README.md"] + [s.path / a / "README.md" for a in s.appendix] if p.is_file()]
-    return out
+    return [p for s in stages(root) for p in s.lessons()]
 
 
 def doc_paths(root: Path = ROOT) -> list[Path]:
@@ -846,22 +888,48 @@ def execution_problems(nb) -> list[str]:
     return problems
 
 
+def appendix_title(stage: Stage, folder: str) -> str:
+    """The first heading of an appendix's README.md, else ''."""
+    lesson = stage.path / folder / "README.md"
+    heads = _headings(lesson.read_text()) if lesson.is_file() else []
+    return heads[0][1] if heads else ""
+
+
 def diff(a: Stage, b: Stage, stat: bool = False) -> str:
+    """The unified diff of two parts' folders, then the shared/ definitions `b` introduced. A part
+    whose stage.toml declares appendix folders (`appendix = ["cpu/"]`) is shown in groups: the
+    stage first, then each appendix under a heading; --stat gives each group its totals."""
     fa, fb = a.files(), b.files()
-    out = []
+    groups: dict[str, list[str]] = {"": []}
+    for folder in dict.fromkeys(b.appendix + a.appendix):
+        groups[folder] = []
     for f in sorted(fa.keys() | fb.keys()):
-        old = fa[f].read_text(errors="replace").splitlines(keepends=True) if f in fa else []
-        new = fb[f].read_text(errors="replace").splitlines(keepends=True) if f in fb else []
-        if old == new:
-            continue
-        lines = list(difflib.unified_diff(old, new, f"{a.name}/{f}", f"{b.name}/{f}"))
+        groups[b.group_of(f) or a.group_of(f)].append(f)
+    out = []
+    for folder, files in groups.items():
+        if folder:
+            title = appendix_title(b, folder) or appendix_title(a, folder)
+            out.append(f"\n# appendix {b.name}/{folder}/" + (f": {title}" if title else "") + "\n")
+        elif len(groups) > 1:
+            out.append(f"# the stage: {b.name} against {a.name}\n")
+        count = plus_all = minus_all = 0
+        for f in files:
+            old = fa[f].read_text(errors="replace").splitlines(keepends=True) if f in fa else []
+            new = fb[f].read_text(errors="replace").splitlines(keepends=True) if f in fb else []
+            if old == new and f in fa and f in fb:
+                continue
+            lines = list(difflib.unified_diff(old, new, f"{a.name}/{f}", f"{b.name}/{f}"))
+            if stat:
+                plus = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
+                minus = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
+                state = "added" if f not in fa else "removed" if f not in fb else "changed"
+                out.append(f"{f:40s} {state:8s} +{plus} -{minus}\n")
+                count, plus_all, minus_all = count + 1, plus_all + plus, minus_all + minus
+            else:
+                out.extend(x if x.endswith("\n") else x + "\n" for x in lines)
         if stat:
-            plus = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
-            minus = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
-            state = "added" if f not in fa else "removed" if f not in fb else "changed"
-            out.append(f"{f:40s} {state:8s} +{plus} -{minus}\n")
-        else:
-            out.extend(x if x.endswith("\n") else x + "\n" for x in lines)
+            what = f"appendix {folder}/" if folder else "the stage" if len(groups) > 1 else "in all"
+            out.append(f"{what}: {count} file{'s' * (count != 1)}, +{plus_all} -{minus_all}\n")
     if b.shared:
         out.append(f"\n# shared/ (one copy, used by every part): what {b.name} needed there\n")
         for f, names in b.shared.items():

@@ -5,6 +5,7 @@ passes on the finished part."""
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 
 import pytest
@@ -134,15 +135,23 @@ Decode took 0.44 s.
 ## Exercises
 
 1. Expect 3.14 s.
+
+## Results on a GPU
+
+A step took 2.50 ms.
+
+## In vLLM
+
+Not measured: 6.28 s.
 """
 
 
-def test_lesson_figures_are_the_numbers_of_the_measured_section():
-    section = course.measured_section(LESSON)
-    assert "0.44 s" in section and "9.99" not in section and "3.14" not in section
+def test_lesson_figures_are_the_numbers_of_the_measured_sections():
+    section = course.measured_sections(LESSON)
+    assert "0.44 s" in section and "9.99" not in section and "3.14" not in section and "6.28" not in section
     figures = [f.text for f in course.lesson_figures(section)]
-    assert figures == ["40.1 ms", "9.5x", "94.6%", "363 tokens", "4.20e-05", "1,024 blocks", "0.44 s"]
-    assert course.measured_section("# Part\n\n## The idea\n\n1.5 s\n") == ""
+    assert figures == ["40.1 ms", "9.5x", "94.6%", "363 tokens", "4.20e-05", "1,024 blocks", "0.44 s", "2.50 ms"]
+    assert course.measured_sections("# Part\n\n## The idea\n\n1.5 s\n") == ""
 
 
 def test_a_figure_is_shown_when_an_output_rounds_to_it():
@@ -372,3 +381,56 @@ def test_check_fails_on_a_doc_line_that_narrates(tmp_path):
     assert set(problems) <= set(course.check(tmp_path))
     lesson.write_text(lesson.read_text() + NARRATING[0] + "\n")
     assert any(p.startswith("part01_simple_server/README.md:") for p in course.narration_problems(tmp_path))
+
+
+# ---- a part with an appendix ------------------------------------------------------------------
+
+def _with_appendix(tmp_path):
+    """Parts 01 and 02 copied, part 02 given an appendix folder `fast/` with its own lesson."""
+    copy_parts(tmp_path, "part01_simple_server", "part02_streaming")
+    part = tmp_path / "part02_streaming"
+    (part / "fast").mkdir()
+    (part / "fast" / "__init__.py").write_text("")
+    (part / "fast" / "kernel.py").write_text("def twice(x):\n    return 2 * x\n")
+    (part / "fast" / "README.md").write_text(
+        "# How part 02 runs fast\n\n## The kernel\n\n```python\ndef twice(x):\n    return 2 * x\n```\n\n"
+        "## Results\n\nIt runs at [1.50 ms](runs.json) a call.\n")
+    (part / "fast" / "runs.json").write_text('{"call_ms": 1.4972}\n')
+    manifest = part / "stage.toml"
+    text = manifest.read_text()
+    added = '"fast/__init__.py", "fast/kernel.py", "fast/README.md", "fast/runs.json", '
+    text = text.replace("added = [", "added = [" + added, 1) if "added = [" in text else \
+        text.replace("technique =", f"added = [{added}]\ntechnique =", 1)
+    manifest.write_text('appendix = ["fast/"]\n' + text)
+    return course.find_stage("02", tmp_path)
+
+
+def test_diff_stat_shows_the_stage_then_each_appendix_with_totals(tmp_path):
+    stage = _with_appendix(tmp_path)
+    assert stage.appendix == ["fast"] and course.check(tmp_path) == []
+    stat = course.diff(course.find_stage("01", tmp_path), stage, stat=True)
+    head, appendix = stat.split("\n# appendix part02_streaming/fast/: How part 02 runs fast\n")
+    assert head.startswith("# the stage: part02_streaming against part01_simple_server\n")
+    assert "async_llm.py" in head and "fast/" not in head
+    assert re.search(r"^the stage: \d+ files, \+\d+ -\d+$", head, re.M)
+    assert re.findall(r"^(\S+)\s+added", appendix, re.M) == ["fast/README.md", "fast/__init__.py",
+                                                               "fast/kernel.py", "fast/runs.json"]
+    assert re.search(r"^appendix fast/: 4 files, \+15 -0$", appendix, re.M), appendix
+    # without an appendix, one group and its totals
+    plain = course.diff(course.find_stage("01"), course.find_stage("02"), stat=True)
+    assert "# " not in plain.split("\n# shared/")[0] and re.search(r"^in all: \d+ files", plain, re.M)
+
+
+def test_an_appendix_lesson_is_held_to_the_code_and_its_figures(tmp_path):
+    stage = _with_appendix(tmp_path)
+    lesson = stage.path / "fast" / "README.md"
+    text = lesson.read_text()
+    assert course.figure_problems(stage, tmp_path) == [] and course.excerpt_problems(stage, tmp_path) == []
+    lesson.write_text(text.replace("return 2 * x\n```", "return x + x\n```").replace("1.50 ms", "1.60 ms"))
+    problems = course.check(tmp_path)
+    assert "part02_streaming/fast/README.md, The code: an excerpt's line 'return x + x' is not in the part's " \
+           "code (in that order)" in problems
+    assert "part02_streaming/fast/README.md, measured section: '1.60 ms' is not in the outputs of " \
+           "notebooks/02_streaming.ipynb, part02_streaming/fast/runs.json" in problems
+    shutil.rmtree(stage.path / "fast")
+    assert "part02_streaming/stage.toml declares the appendix fast/, which does not exist" in course.check(tmp_path)
