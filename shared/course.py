@@ -164,6 +164,7 @@ def check(root: Path = ROOT) -> list[str]:
         problems += exercise_problems(s, root)
         problems += figure_problems(s, root)
         problems += excerpt_problems(s, root)
+    problems += vllm_path_problems(root)
     problems += narration_problems(root)
     return problems
 
@@ -691,6 +692,138 @@ def excerpt_problems(stage: Stage, root: Path = ROOT) -> list[str]:
                 if best < len(lines):
                     problems.append(f"{rel}, The code: an excerpt's line {lines[best]!r} "
                                     f"is not in the part's code (in that order)")
+    return problems
+
+
+# ------------------------------------------------------------------------------- vLLM paths
+
+VLLM_VERSION = "0.33.0"
+VLLM_FILES = "shared/vllm_v0_33_0_files.txt"  # what the docs' vLLM paths may name (its header says whence)
+_SOURCE = r"(?:py|cu|cuh|cpp|cc|c|h|hpp)"
+_FULL_PATH = re.compile(rf"(?<![\w./-])(?:vllm|csrc)/[\w./{{}},-]*?(?:\.{_SOURCE}\b|/(?=[\s`'\").,;:]|$))")
+_OTHER_VERSION = re.compile(r"\bv(\d+\.\d+(?:\.\d+)?)\b")
+# Sentences about another project: their relative paths are that project's, not vLLM's.
+_OTHER_PROJECT = re.compile(r"\b(?:SGLang|sglang|sgl-router|nano-vllm|mini-sglang|TensorRT-LLM|Dynamo|llm-d|"
+                            r"Mooncake|LMCache|transformers|Hugging Face)\b")
+
+
+@functools.lru_cache(maxsize=4)
+def _vllm_files(path: str, mtime_ns: int) -> frozenset[str]:
+    return frozenset(line.strip() for line in Path(path).read_text().splitlines()
+                     if line.strip() and not line.startswith("#"))
+
+
+def vllm_files(root: Path = ROOT) -> frozenset[str]:
+    """The paths of vLLM v0.33.0 listed in shared/vllm_v0_33_0_files.txt (empty when it is missing)."""
+    path = root / VLLM_FILES
+    return _vllm_files(str(path), path.stat().st_mtime_ns) if path.is_file() else frozenset()
+
+
+def _expand(token: str) -> list[str]:
+    """`a/{b,c}.py` -> a/b.py, a/c.py (one brace group)."""
+    m = re.search(r"\{([^{}]*)\}", token)
+    return [token[:m.start()] + x + token[m.end():] for x in m.group(1).split(",")] if m else [token]
+
+
+def vllm_path_known(token: str, files: frozenset[str], relative: bool) -> bool:
+    """Whether a path of vLLM (a file, or a folder ending in "/") is in v0.33.0. A `relative` one
+    ("fused_moe/fused_moe.py", "serving.py") may be the tail of a listed path."""
+    for path in _expand(token):
+        if path.endswith("/"):
+            ok = any(f.startswith(path) or (relative and f"/{path}" in f) for f in files)
+        else:
+            ok = path in files or (relative and any(f.endswith("/" + path) for f in files))
+        if not ok:
+            return False
+    return True
+
+
+def _sentence_at(text: str, pos: int) -> str:
+    """The sentence of a markdown text around `pos`: paragraphs and list items end one, and so does
+    a full stop before a capital letter, a backquote or a parenthesis."""
+    stops = list(re.finditer(r"\n\s*\n|\n\s*(?:[-*]|\d+\.)\s|[.!?]\s+(?=[A-Z`(*])", text))
+    start = max((m.end() for m in stops if m.end() <= pos), default=0)
+    end = min((m.start() for m in stops if m.start() >= pos), default=len(text))
+    return text[start:end]
+
+
+def _prose_with_code(markdown: str) -> str:
+    """Markdown with its fenced blocks blanked (lines kept, so positions keep their line numbers)."""
+    out, fence = [], None
+    for line in markdown.splitlines():
+        stripped = line.lstrip()
+        if stripped.startswith(("```", "~~~")):
+            mark = stripped[:3]
+            fence = None if fence == mark else (fence or mark)
+            out.append("")
+            continue
+        out.append("" if fence else line)
+    return "\n".join(out)
+
+
+def vllm_path_problems(root: Path = ROOT) -> list[str]:
+    """vLLM paths that vLLM v0.33.0 does not have. Checked: every `vllm/...` or `csrc/...` path in
+    a code span of the lessons, SOLUTIONS.md and the notebooks' markdown, or in a part's module
+    docstring; and in a lesson's "In vLLM" section, every code span that is a path at all, a
+    relative one ("fused_moe/fused_moe.py") matching the tail of a listed file. Not checked: a path
+    that is the tail of one of the course's own files ("csrc/gemm_cpu.c", "quant_triton.py"); the
+    paths of a sentence that names another version ("v0.8.5's `vllm/core/scheduler.py`"); the
+    relative paths of a sentence that names another project (SGLang, ...)."""
+    import ast
+    import json
+
+    files = vllm_files(root)
+    if not files:
+        return [f"{VLLM_FILES} is missing: the docs' vLLM paths cannot be checked"]
+    ours = {f.relative_to(d).as_posix() for d in [s.path for s in stages(root)] + [root / "shared"]
+            for f in d.rglob("*") if f.is_file() and not _SKIP_DIRS & set(f.parts)}
+    relative_path = re.compile(rf"[\w.{{}},-]+(?:/[\w.{{}},-]+)*(?:\.{_SOURCE}|/)")
+    problems = []
+
+    def check_text(where: str, text: str, in_vllm: list[tuple[int, int]] = (), spans: bool = True):
+        """`where` names the place, with {line} for the line number."""
+        if spans:  # a code span broken over two lines is one path
+            found = [(m.start(), re.sub(r"\s*\n\s*", "", m.group(1))) for m in re.finditer(r"`([^`]+)`", text)]
+        else:
+            found = [(m.start(), m.group(0)) for m in _FULL_PATH.finditer(text)]
+        for pos, token in found:
+            full = _FULL_PATH.fullmatch(token) is not None
+            relative = not full and any(a <= pos < b for a, b in in_vllm) and relative_path.fullmatch(token)
+            if not (full or relative):
+                continue
+            if (relative or token.startswith("csrc/")) and any(f == token or f.endswith("/" + token) for f in ours):
+                continue  # the course's own file
+            sentence = _sentence_at(text, pos)
+            if any(v != VLLM_VERSION for v in _OTHER_VERSION.findall(sentence)):
+                continue
+            if relative and _OTHER_PROJECT.search(sentence):
+                continue
+            if not vllm_path_known(token, files, relative=not full):
+                base = token.rstrip("/").rsplit("/", 1)[-1]
+                near = sorted((f for f in files if f.endswith("/" + base)), key=lambda f: (f[:5] != "vllm/", f))
+                problems.append(where.format(line=text.count("\n", 0, pos) + 1)
+                                + f": `{token}` is not a file of vLLM v{VLLM_VERSION} ({VLLM_FILES})"
+                                + (f"; it has {', '.join(near[:3])}" if near else ""))
+
+    for path in lesson_paths(root) + [p for p in [root / "SOLUTIONS.md"] if p.is_file()]:
+        text = _prose_with_code(path.read_text())
+        heads = _headings(text)
+        offsets = [0]
+        for line in text.splitlines(keepends=True):
+            offsets.append(offsets[-1] + len(line))
+        in_vllm = [(offsets[ln], offsets[next((e for lv, _, e in heads[i + 1:] if lv <= level), len(offsets) - 1)])
+                   for i, (level, title, ln) in enumerate(heads) if "in vllm" in title.lower()]
+        check_text(path.relative_to(root).as_posix() + ":{line}", text, in_vllm)
+    for book in sorted((root / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(book.read_text())["cells"]):
+            if cell["cell_type"] == "markdown":
+                check_text(f"{book.relative_to(root).as_posix()}, markdown cell {i}, line {{line}}",
+                           _prose_with_code("".join(cell["source"])))
+    for s in stages(root):
+        for f in sorted(s.path.rglob("*.py")):
+            doc = "" if _SKIP_DIRS & set(f.parts) else ast.get_docstring(_parse(f), clean=False) or ""
+            if doc:
+                check_text(f"{f.relative_to(root).as_posix()}, docstring line {{line}}", doc, spans=False)
     return problems
 
 

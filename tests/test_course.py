@@ -434,3 +434,49 @@ def test_an_appendix_lesson_is_held_to_the_code_and_its_figures(tmp_path):
            "notebooks/02_streaming.ipynb, part02_streaming/fast/runs.json" in problems
     shutil.rmtree(stage.path / "fast")
     assert "part02_streaming/stage.toml declares the appendix fast/, which does not exist" in course.check(tmp_path)
+
+
+# ---- "In vLLM" paths name files of vLLM v0.33.0 ----------------------------------------------------
+
+def test_the_vllm_file_list_holds_the_python_and_csrc_files_of_v0_33_0():
+    files = course.vllm_files()
+    assert len(files) > 5000
+    for path in ("vllm/v1/core/sched/scheduler.py", "vllm/entrypoints/openai/completion/serving.py",
+                 "csrc/cache_kernels.cu", "tests/v1/kv_connector/nixl_integration/toy_proxy_server.py"):
+        assert path in files
+    assert "vllm/entrypoints/openai/serving_completion.py" not in files
+    known = lambda token, relative=False: course.vllm_path_known(token, files, relative)  # noqa: E731
+    assert known("vllm/v1/kv_offload/") and known("vllm/v1/kv_offload/{base,abstract}.py") is False
+    assert known("fused_moe/fused_moe.py", relative=True) and not known("fused_moe/fused_moe.py")
+    assert not known("serving_chat.py", relative=True)
+
+
+def test_check_fails_on_a_vllm_path_that_v0_33_0_does_not_have(tmp_path):
+    copy_parts(tmp_path, "part01_simple_server")
+    (tmp_path / "shared").mkdir()
+    shutil.copy(course.ROOT / course.VLLM_FILES, tmp_path / course.VLLM_FILES)
+    assert course.vllm_path_problems(tmp_path) == []
+    lesson = tmp_path / "part01_simple_server" / "README.md"
+    text = lesson.read_text()
+    assert "\n## In vLLM\n" in text
+    lesson.write_text(text + (
+        "\n`vllm/entrypoints/openai/serving_completion.py` and `serving_chat.py` (the handlers), "
+        "`chat_completion/serving.py`, `csrc/cache_kernels.cu`, `engine.py` (this part's), "
+        "`docs/design.md`.\nIn v0.8.5 it was `vllm/core/scheduler.py`. SGLang keeps it in `radix_cache.py`.\n"))
+    (tmp_path / "SOLUTIONS.md").write_text("# Solutions\n\nSee `vllm/attention/ops/triton_unified_attention.py`.\n")
+    engine = tmp_path / "part01_simple_server" / "engine.py"
+    engine.write_text('"""The engine.\n\nIn vLLM: vllm/v1/engine/core.py and vllm/v1/engine/llm.py."""\n'
+                      + engine.read_text())
+    problems = course.vllm_path_problems(tmp_path)
+    assert [p.split(": `")[1].split("`")[0] for p in problems] == [
+        "vllm/entrypoints/openai/serving_completion.py", "serving_chat.py",
+        "vllm/attention/ops/triton_unified_attention.py", "vllm/v1/engine/llm.py"], problems
+    assert problems[2] == (
+        "SOLUTIONS.md:3: `vllm/attention/ops/triton_unified_attention.py` is not a file of vLLM v0.33.0 "
+        "(shared/vllm_v0_33_0_files.txt); it has vllm/v1/attention/ops/triton_unified_attention.py, "
+        "vllm/v1/attention/ops/ultraquant/triton_unified_attention.py")
+    assert problems[3].startswith("part01_simple_server/engine.py, docstring line 3: `vllm/v1/engine/llm.py`")
+    assert set(problems) <= set(course.check(tmp_path))
+    (tmp_path / course.VLLM_FILES).unlink()
+    assert course.vllm_path_problems(tmp_path) == [
+        "shared/vllm_v0_33_0_files.txt is missing: the docs' vLLM paths cannot be checked"]
