@@ -41,6 +41,8 @@ bodies replaced by a `raise NotImplementedError` naming the section; everything 
 part's own code, so the part imports and runs until it calls a stub. `grade` runs the named tests
 in a subprocess whose import path puts the workspace first (`import partNN_x` is the reader's
 copy, `shared` the repository's) and reports per function; the finished part is the solution.
+Each lesson ends with a "Build it yourself" section that names those functions, links their
+sections and gives both commands; `check` holds it to the stage.toml.
 
 Notebooks are committed executed, so a reader sees measured outputs and plots on the
 repository's web view; `notebooks` is the one way to (re)produce them, in full mode. In quick mode
@@ -162,6 +164,7 @@ def check(root: Path = ROOT) -> list[str]:
                 if shared_source(f, name, root) is None:
                     problems.append(f"{s.name}/{MANIFEST} names shared/{f}:{name}, which does not exist")
         problems += exercise_problems(s, root)
+        problems += build_it_yourself_problems(s, root)
         problems += figure_problems(s, root)
         problems += excerpt_problems(s, root)
     problems += vllm_path_problems(root)
@@ -485,6 +488,45 @@ def exercise_problems(stage: Stage, root: Path = ROOT) -> list[str]:
             if tree is None or not name or find_def(tree, name.replace("::", ".")) is None:
                 problems.append(f"{where}: test {t!r} not found")
     return problems
+
+
+def build_it_yourself_problems(stage: Stage, root: Path = ROOT) -> list[str]:
+    """What the lesson's "Build it yourself" section lacks: the section itself, the `exercise` and
+    `grade` commands of this part, each exercise function by name (in a code span) and a link to
+    the lesson section that explains it."""
+    funcs = exercise_functions(stage)
+    lesson = stage.path / "README.md"
+    if not funcs or not lesson.is_file():
+        return []
+    rel, nn = lesson.relative_to(root).as_posix(), f"{stage.number:02d}"
+    section = named_section(lesson.read_text(), "build it yourself")
+    if section is None:
+        return [f"{rel}: no 'Build it yourself' section naming what `python -m shared.course exercise {nn}` "
+                f"stubs ({MANIFEST}'s exercise functions)"]
+    problems = [f"{rel}, Build it yourself: does not give `python -m shared.course {cmd} {nn}`"
+                for cmd in ("exercise", "grade") if f"python -m shared.course {cmd} {nn}" not in section]
+    for f in funcs:
+        if f"`{f.name}`" not in section:
+            problems.append(f"{rel}, Build it yourself: does not name `{f.name}` ({MANIFEST} exercise {f.label})")
+        anchor = f.lesson.partition("#")[2]
+        if anchor and f"](#{anchor})" not in section:
+            problems.append(f"{rel}, Build it yourself: does not link {f.name}'s lesson section (#{anchor})")
+    anchors = {heading_anchor(title) for _, title, _ in _headings(lesson.read_text())}
+    problems += [f"{rel}, Build it yourself: links #{a}, which no heading has"
+                 for a in dict.fromkeys(re.findall(r"\]\(#([^)\s]+)\)", section)) if a not in anchors]
+    return problems
+
+
+def named_section(markdown: str, title: str) -> str | None:
+    """The text of the first section whose heading is `title` (any case), up to the next heading of
+    its level or higher; None when there is none."""
+    heads = _headings(markdown)
+    lines = markdown.splitlines()
+    for i, (level, head, line) in enumerate(heads):
+        if head.strip().lower() == title:
+            end = next((ln for lv, _, ln in heads[i + 1:] if lv <= level), len(lines))
+            return "\n".join(lines[line + 1:end])
+    return None
 
 
 # ------------------------------------------------------------------------------- lesson figures

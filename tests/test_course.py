@@ -25,7 +25,7 @@ def test_each_stage_diff_shows_its_technique():
 
 def copy_parts(tmp_path, *names):
     """Parts copied into tmp_path with what `check` reads beside them: their notebooks (the
-    lessons' figures) and the tests (their exercises name tests)."""
+    lessons' figures), the tests (their exercises name tests) and the list of vLLM's files."""
     for name in names:
         shutil.copytree(course.ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
         (tmp_path / "notebooks").mkdir(exist_ok=True)
@@ -33,6 +33,8 @@ def copy_parts(tmp_path, *names):
             shutil.copy(nb, tmp_path / "notebooks" / nb.name)
     shutil.copytree(course.ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"),
                     dirs_exist_ok=True)
+    (tmp_path / "shared").mkdir(exist_ok=True)
+    shutil.copy(course.ROOT / course.VLLM_FILES, tmp_path / course.VLLM_FILES)
 
 
 def test_check_catches_an_undeclared_change(tmp_path):
@@ -178,7 +180,6 @@ def test_check_catches_a_lesson_figure_its_notebook_never_printed(tmp_path):
 
 def test_check_catches_a_code_excerpt_the_code_does_not_have(tmp_path):
     copy_parts(tmp_path, "part09_tp")
-    (tmp_path / "shared").mkdir()
     assert course.excerpt_problems(course.find_stage("09", tmp_path), tmp_path) == []
     lesson = tmp_path / "part09_tp" / "README.md"
     text = lesson.read_text()
@@ -199,7 +200,6 @@ def test_check_catches_a_code_excerpt_the_code_does_not_have(tmp_path):
 def test_check_catches_a_c_excerpt_the_kernel_does_not_have(tmp_path):
     """Lesson 15 quotes its C kernels: those excerpts are held to the .c and .h files the same way."""
     copy_parts(tmp_path, "part15_full")
-    (tmp_path / "shared").mkdir()
     stage = course.find_stage("15", tmp_path)
     assert course.excerpt_problems(stage, tmp_path) == []
     lesson = stage.path / "README.md"
@@ -453,16 +453,14 @@ def test_the_vllm_file_list_holds_the_python_and_csrc_files_of_v0_33_0():
 
 def test_check_fails_on_a_vllm_path_that_v0_33_0_does_not_have(tmp_path):
     copy_parts(tmp_path, "part01_simple_server")
-    (tmp_path / "shared").mkdir()
-    shutil.copy(course.ROOT / course.VLLM_FILES, tmp_path / course.VLLM_FILES)
     assert course.vllm_path_problems(tmp_path) == []
     lesson = tmp_path / "part01_simple_server" / "README.md"
     text = lesson.read_text()
-    assert "\n## In vLLM\n" in text
-    lesson.write_text(text + (
+    in_vllm = course.named_section(text, "in vllm")
+    lesson.write_text(text.replace(in_vllm, in_vllm + (
         "\n`vllm/entrypoints/openai/serving_completion.py` and `serving_chat.py` (the handlers), "
         "`chat_completion/serving.py`, `csrc/cache_kernels.cu`, `engine.py` (this part's), "
-        "`docs/design.md`.\nIn v0.8.5 it was `vllm/core/scheduler.py`. SGLang keeps it in `radix_cache.py`.\n"))
+        "`docs/design.md`.\nIn v0.8.5 it was `vllm/core/scheduler.py`. SGLang keeps it in `radix_cache.py`.\n")))
     (tmp_path / "SOLUTIONS.md").write_text("# Solutions\n\nSee `vllm/attention/ops/triton_unified_attention.py`.\n")
     engine = tmp_path / "part01_simple_server" / "engine.py"
     engine.write_text('"""The engine.\n\nIn vLLM: vllm/v1/engine/core.py and vllm/v1/engine/llm.py."""\n'
@@ -480,3 +478,32 @@ def test_check_fails_on_a_vllm_path_that_v0_33_0_does_not_have(tmp_path):
     (tmp_path / course.VLLM_FILES).unlink()
     assert course.vllm_path_problems(tmp_path) == [
         "shared/vllm_v0_33_0_files.txt is missing: the docs' vLLM paths cannot be checked"]
+
+
+# ---- every lesson says how to build its part yourself ---------------------------------------------
+
+def test_check_fails_on_a_missing_or_partial_build_it_yourself_section(tmp_path):
+    copy_parts(tmp_path, "part04_continuous_batching")
+    stage = course.find_stage("04", tmp_path)
+    assert course.build_it_yourself_problems(stage, tmp_path) == []
+    lesson = stage.path / "README.md"
+    text = lesson.read_text()
+    section = course.named_section(text, "build it yourself")
+    assert section and "`Scheduler._preempt`" in section
+    lesson.write_text(text.replace(section, section.replace("`Scheduler._preempt` and ", "").replace("grade 04", "grade")))
+    assert course.build_it_yourself_problems(stage, tmp_path) == [
+        "part04_continuous_batching/README.md, Build it yourself: does not give "
+        "`python -m shared.course grade 04`",
+        "part04_continuous_batching/README.md, Build it yourself: does not name `Scheduler._preempt` "
+        "(stage.toml exercise scheduler.py:Scheduler._preempt)"]
+    lesson.write_text(text.replace("## Build it yourself", "## Try it"))
+    problems = course.check(tmp_path)
+    assert "part04_continuous_batching/README.md: no 'Build it yourself' section naming what " \
+           "`python -m shared.course exercise 04` stubs (stage.toml's exercise functions)" in problems
+    # an exercise whose lesson section is gone is caught too
+    lesson.write_text(text.replace("### `scheduler.py` — ", "### `scheduler.py`: "))
+    problems = course.check(tmp_path)
+    assert any("exercise scheduler.py:Scheduler.schedule: lesson section" in p and "not found" in p
+               for p in problems), problems
+    assert "part04_continuous_batching/README.md, Build it yourself: links " \
+           "#schedulerpy--schedulerconfig-scheduleroutput-scheduler, which no heading has" in problems, problems
