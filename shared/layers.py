@@ -4,12 +4,13 @@ replace them without touching the model definition."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import envs
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -62,7 +63,7 @@ class LinearMethodBase(QuantizeMethodBase):
         raise NotImplementedError
 
 
-# CPU GEMMs on weights prepacked for oneDNN (the off-switch: VLLM_COURSE_CPU_PREPACK=0). A plain
+# CPU GEMMs on weights prepacked for oneDNN (the off-switch: VLLM_COURSE_CPU_PREPACK=0, shared/envs.py). A plain
 # F.linear re-lays-out the weight for the GEMM kernel on every call; at decode, a few rows against
 # a large weight, that costs as much as the multiply. Measured on a 2-core AVX2 EPYC (SmolLM2-135M's
 # shapes): the 30 layers' projections 1.8-2.1x faster at 2-8 rows, 1.24x at 32, even from 64 on
@@ -73,9 +74,6 @@ class LinearMethodBase(QuantizeMethodBase):
 # sample differently alone and in a batch. (Not in bf16 on a CPU with AMX: there oneDNN's packed and
 # unpacked bf16 kernels alike change with the row count, and a few sums' last bits with them;
 # part 15's own AMX kernel, cpu_gemm_amx.py, keeps a row's result whatever its batch.)
-CPU_PREPACK = os.environ.get("VLLM_COURSE_CPU_PREPACK", "1") != "0"
-
-
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX. (oneDNN's own check, `_is_mkldnn_bf16_supported`, also says yes on plain
     AVX-512, where it emulates bf16; there, on a Cascade Lake Xeon, its packed bf16 GEMM gave a row
@@ -105,7 +103,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.packed_weight = None
-        if CPU_PREPACK and cpu_prepack_supported(layer.weight):
+        if envs.VLLM_COURSE_CPU_PREPACK and cpu_prepack_supported(layer.weight):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
 
     def apply(self, layer, x, bias=None):

@@ -13,15 +13,12 @@ GPU their copy to the host is already queued, see SampledBatch.copy_to_host_asyn
 sampler returns them as host lists."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from . import envs
 from .sampling_params import SamplingParams
-
-# The greedy argmax in chunks on a CPU (the off-switch: VLLM_COURSE_CHUNKED_ARGMAX=0).
-CHUNKED_ARGMAX = os.environ.get("VLLM_COURSE_CHUNKED_ARGMAX", "1") != "0"
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -33,8 +30,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     rows of 49152 there, 4-6x on a 128256-token vocabulary."""
     rows, vocab = x.shape
     chunk = min(vocab & -vocab, 4096)  # the largest power of two dividing the vocabulary, capped
-    if not CHUNKED_ARGMAX or x.device.type != "cpu" or chunk < 128 or vocab == chunk or not rows \
-            or not x.is_contiguous():
+    if x.device.type != "cpu" or chunk < 128 or vocab == chunk or not rows or not x.is_contiguous() \
+            or not envs.VLLM_COURSE_CHUNKED_ARGMAX:  # the off-switch (shared/envs.py)
         return x.argmax(dim=-1)
     blocks = x.view(rows, vocab // chunk, chunk)
     first = blocks.amax(dim=-1).argmax(dim=-1)  # argmax of equal chunk maxima: the first chunk

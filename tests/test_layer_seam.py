@@ -198,7 +198,7 @@ def test_cpu_linears_run_on_prepacked_weights_batch_invariant(tmp_path, monkeypa
             assert not invariant or torch.equal(layer(x[rows - 1:rows]), full[rows - 1:rows]), rows
             torch.testing.assert_close(layer(x[rows - 1:rows]).float(), full[rows - 1:rows].float(), **tol)
 
-    monkeypatch.setattr(layers, "CPU_PREPACK", False)
+    monkeypatch.setenv("VLLM_COURSE_CPU_PREPACK", "0")  # shared/envs.py
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.packed_weight is None
     with torch.no_grad():

@@ -9,10 +9,12 @@ import subprocess
 import pytest
 import torch
 
-import part15_full.cpu_attention as cpu_attention
-import part15_full.cpu_build as cpu_build
+import part15_full.cpu.attention as cpu_attention
+import part15_full.cpu.build as cpu_build
 from part15_full.attention_metadata import PagedAttentionMetadata
-from part15_full.paged_attention import PagedAttention, paged_attention_ref, reshape_and_cache_ref
+from part15_full.cpu.kernels import CSRC, bind
+from part15_full.paged_attention import (TorchAttention, get_attention_backend, paged_attention_ref,
+                                         reshape_and_cache_ref)
 
 from test_paged_kernels import ATOL, CASES, Case, dense_attention, make_batch, max_err_vs_dense, run_backend_steps
 
@@ -63,11 +65,29 @@ def assert_matches_dense(out, batch, case):
         start += q_len
 
 
+SOURCE = CSRC / "paged_attention_cpu.c"
+
+
+class Kernel:
+    """The CPU backend over the given pools of one layer: kernel.forward(q, k, v, k_cache, v_cache,
+    metadata, scale) -> out, as the backend computes it for a layer."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+        num_blocks, block_size, kv_heads, d = k_cache.shape
+        backend = cpu_attention.CpuAttention(1, 1, block_size, kv_heads, d, k_cache.dtype, "cpu", scale,
+                                             lib=self.lib, num_heads=q.shape[1])
+        backend.k_cache, backend.v_cache = k_cache[None], v_cache[None]
+        return backend.forward(0, q, k, v, metadata)
+
+
 @pytest.fixture(scope="module")
 def kernel():
     lib = cpu_attention.load_kernel()
     assert lib is not None, "no C compiler here? the set-up installs none; cc must be on PATH"
-    return cpu_attention.CpuPagedAttention(lib)
+    return Kernel(lib)
 
 
 @pytest.mark.parametrize("padding", [True, False], ids=["padded", "unpadded"])
@@ -120,9 +140,9 @@ def test_the_threads_split_the_work_without_changing_a_bit(kernel, dtype):
 
 
 def test_the_backend_uses_the_kernel_on_cpu_through_engine_like_steps():
-    backend = PagedAttention(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8,
-                             dtype=torch.float32, device="cpu")
-    assert isinstance(backend.cpu_kernel, cpu_attention.CpuPagedAttention)
+    backend = get_attention_backend(num_layers=2, num_blocks=12, block_size=4, num_heads=4, num_kv_heads=2,
+                                    head_dim=8, dtype=torch.float32, device="cpu")
+    assert isinstance(backend, cpu_attention.CpuAttention)
     got, want = run_backend_steps(backend, seed=3)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-4)
@@ -132,8 +152,8 @@ def test_decode_reads_the_blocks_in_place(kernel, monkeypatch):
     """Short queries, short prefills and chunks on a cached context never gather; a long fresh
     prefill still does (SDPA over its gathered K/V)."""
     gathers = []
-    real_gather = cpu_attention._gather
-    monkeypatch.setattr(cpu_attention, "_gather", lambda *a: gathers.append(a) or real_gather(*a))
+    real_gather = cpu_attention.gather_blocks
+    monkeypatch.setattr(cpu_attention, "gather_blocks", lambda *a: gathers.append(a) or real_gather(*a))
     for name, expected in (("smollm9-3_d64_bs16_decode_only", 0), ("smollm9-3_d64_bs16_long_and_spec", 2)):
         case = KERNEL_CASES[name]
         batch = make_batch(case)
@@ -160,14 +180,16 @@ def test_a_slot_past_the_pool_raises_and_stores_nothing(kernel, dtype):
     assert torch.equal(batch["k_cache"], k_before) and torch.equal(batch["v_cache"], v_before)
 
 
-def test_shapes_beyond_the_kernel_take_the_reference_path():
-    backend = PagedAttention(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=8,
-                             dtype=torch.float32, device="cpu")
-    q = torch.randn(1, 32, 8)  # 32 query heads on one KV head: over the kernel's 16
-    assert not backend.cpu_kernel.supports(q, backend.k_cache[0])
-    assert backend.cpu_kernel.supports(q[:, :16], backend.k_cache[0])
-    assert not backend.cpu_kernel.supports(q[:, :16], torch.zeros(2, 512, 1, 8))  # blocks over 256 tokens
-    assert not backend.cpu_kernel.supports(q[:, :16].double(), backend.k_cache[0].double())
+def test_shapes_beyond_the_kernel_take_the_reference_backend():
+    """Chosen once, at start-up: the C kernel's backend only for shapes and dtypes it takes."""
+    def backend_for(heads=32, block_size=4, dtype=torch.float32):
+        return get_attention_backend(num_layers=1, num_blocks=8, block_size=block_size, num_heads=heads,
+                                     num_kv_heads=1, head_dim=8, dtype=dtype, device="cpu")
+    assert type(backend_for()) is TorchAttention  # 32 query heads on one KV head: over the kernel's 16
+    assert type(backend_for(heads=16)) is cpu_attention.CpuAttention
+    assert type(backend_for(heads=16, block_size=512)) is TorchAttention  # blocks over 256 tokens
+    assert type(backend_for(heads=16, dtype=torch.float64)) is TorchAttention
+    backend = backend_for()
     case = Case(32, 1, 8, 4, ((6, 1), (3, 3)))
     batch = make_batch(case)
     backend.k_cache, backend.v_cache = batch["k_cache"][None], batch["v_cache"][None]  # the context
@@ -179,9 +201,9 @@ def test_a_build_without_openmp_runs_its_own_threads_and_matches(tmp_path, monke
     """The fallback for a compiler without -fopenmp: the same kernel on pthreads."""
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_build, "_FLAG_SETS", (["-O2"],))
-    path = cpu_build.build(cpu_attention.SOURCE)
+    path = cpu_build.build(SOURCE)
     assert path is not None
-    kernel = cpu_attention.CpuPagedAttention(cpu_attention.bind(path))
+    kernel = Kernel(bind("paged_attention_cpu.c", path))
     case = KERNEL_CASES["smollm9-3_d64_bs16_long_and_spec"]
     batch = make_batch(case, seed=4)
     n = batch["num_tokens"]
@@ -192,26 +214,26 @@ def test_a_build_without_openmp_runs_its_own_threads_and_matches(tmp_path, monke
 
 def test_the_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
-    path = cpu_build.build(cpu_attention.SOURCE)
+    path = cpu_build.build(SOURCE)
     assert path is not None and path.parent == tmp_path and path.exists()
     assert list(tmp_path.iterdir()) == [path]  # no half-built temporary left behind
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
     monkeypatch.setattr(subprocess, "run", no_compiling)
-    assert cpu_build.build(cpu_attention.SOURCE) == path
+    assert cpu_build.build(SOURCE) == path
 
 
 def test_without_a_compiler_the_torch_path_serves(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
     with caplog.at_level(logging.WARNING):
-        assert cpu_build.build(cpu_attention.SOURCE, compiler="false") is None  # a "compiler" that always fails
+        assert cpu_build.build(SOURCE, compiler="false") is None  # a "compiler" that always fails
     assert "could not build" in caplog.text and list(tmp_path.iterdir()) == []
 
     monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
-    backend = PagedAttention(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8,
-                             dtype=torch.float32, device="cpu")
-    assert backend.cpu_kernel is None
+    backend = get_attention_backend(num_layers=2, num_blocks=12, block_size=4, num_heads=4, num_kv_heads=2,
+                                    head_dim=8, dtype=torch.float32, device="cpu")
+    assert type(backend) is TorchAttention
     got, want = run_backend_steps(backend)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-4)
@@ -221,7 +243,7 @@ def test_a_cache_it_cannot_write_means_no_kernel_not_a_crash(tmp_path, monkeypat
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path / "a_file" / "cache"))
     with caplog.at_level(logging.WARNING):
-        assert cpu_build.build(cpu_attention.SOURCE) is None
+        assert cpu_build.build(SOURCE) is None
     assert "could not build" in caplog.text
 
 
@@ -239,16 +261,18 @@ def test_bf16_decode_scores_on_amx_tiles_and_their_switch(kernel):
             assert kernel.lib.attention_use_amx(on) == (on and has_amx)
             assert_matches_dense(kernel.forward(*args)[:batch["num_tokens"]], batch, case)
     finally:
-        kernel.lib.attention_use_amx(int(cpu_attention.AMX and has_amx))
+        kernel.lib.attention_use_amx(int(has_amx))
 
 
 def test_the_off_switch(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "ENABLED", False)
-    cpu_attention.load_kernel.cache_clear()
-    try:
-        assert cpu_attention.load_kernel() is None
-    finally:
-        cpu_attention.load_kernel.cache_clear()
+    """VLLM_COURSE_CPU_ATTENTION=0 (envs.py), read when a backend is chosen: the torch reference."""
+    monkeypatch.setenv("VLLM_COURSE_CPU_ATTENTION", "0")
+    assert cpu_attention.load_kernel() is None
+    backend = get_attention_backend(num_layers=1, num_blocks=8, block_size=4, num_heads=4, num_kv_heads=2,
+                                    head_dim=8, dtype=torch.float32, device="cpu")
+    assert type(backend) is TorchAttention
+    monkeypatch.setenv("VLLM_COURSE_CPU_ATTENTION", "1")
+    assert cpu_attention.load_kernel() is not None
 
 
 def test_scores_hundreds_apart_stay_finite(kernel):
@@ -303,7 +327,7 @@ def test_the_tiles_off_switch_attends_a_prefill_row_by_row(kernel, monkeypatch):
     alone = torch.cat([kernel.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], *caches,
                                       PagedAttentionMetadata.build([table], [34 + i], [1], 16), scale)
                        for i in range(12)])
-    monkeypatch.setattr(cpu_attention, "TILES", False)
-    row_by_row = cpu_attention.CpuPagedAttention(kernel.lib)
-    assert torch.equal(row_by_row.forward(q, k, v, *caches, batch["metadata"], scale)[:12], alone)
-    assert not torch.equal(kernel.forward(q, k, v, *caches, batch["metadata"], scale)[:12], alone)
+    tiled = kernel.forward(q, k, v, *caches, batch["metadata"], scale)[:12]
+    monkeypatch.setenv("VLLM_COURSE_CPU_ATTENTION_TILES", "0")  # read as a backend is made
+    assert torch.equal(kernel.forward(q, k, v, *caches, batch["metadata"], scale)[:12], alone)
+    assert not torch.equal(tiled, alone)

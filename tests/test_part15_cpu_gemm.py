@@ -1,16 +1,17 @@
-"""Part 15's fp32 GEMM kernel for the CPU (csrc/gemm_cpu.c, cpu_gemm.py): each output within the
+"""Part 15's fp32 GEMM kernel for the CPU (cpu/csrc/gemm_cpu.c, cpu/gemm.py): each output within the
 rounding error bound of a K-term sum, whatever the shape (off the kernel's row blocks and column
 panels, chunked rows, a bias); a row's result the same bit for bit alone, with other rows or on
 one thread; the AVX2 and plain builds; the engine putting every linear layer on it, keeping HF's
-greedy tokens (a bias too), and what it leaves to oneDNN (bf16, quantized weights, the switch)."""
+greedy tokens (a bias too), and what it leaves to oneDNN (bf16 without AMX, quantized weights, the switch)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import part15_full.cpu_build as cpu_build
-import part15_full.cpu_gemm as cpu_gemm
-from part15_full.cpu_gemm import CpuGemmLinearMethod
+import part15_full.cpu.build as cpu_build
+import part15_full.cpu.gemm as cpu_gemm
+from part15_full.cpu.gemm import CpuUnquantizedLinearMethod
+from part15_full.cpu.kernels import CSRC, bind
 from shared.layers import Linear, UnquantizedLinearMethod
 from shared.weights import load_model
 
@@ -18,13 +19,14 @@ from conftest import greedy, hf_greedy_tokens, save_tiny
 from test_layer_seam import logits, tiny_checkpoint
 
 U = 2.0 ** -24  # fp32's unit roundoff
+SOURCE = CSRC / "gemm_cpu.c"
 
 
 @pytest.fixture(scope="module")
 def lib():
-    built = cpu_build.build(cpu_gemm.SOURCE)
+    built = cpu_build.build(SOURCE)
     assert built is not None, "no C compiler here? the set-up installs none; cc must be on PATH"
-    return cpu_gemm.bind(built)
+    return bind("gemm_cpu.c", built)
 
 
 def run(lib, x, w, bias=None, threads=None):
@@ -97,7 +99,7 @@ def test_the_gated_packing_gives_the_plain_bits_and_its_activation_silu_and_muls
     """The MLP's gate/up weight packed gate column beside up column: gate | up the same bits as the
     plain packing, at any row count; with the activation as the GEMM's last step, the bits
     fused_ops_cpu.c's silu_and_mul gives on them (so the flat forward keeps the modules' bits)."""
-    from part15_full.cpu_ops import load_ops
+    from part15_full.cpu.layers import load_ops
 
     g = torch.Generator().manual_seed(inter)
     x, w = 3 * torch.randn(130, 200, generator=g), torch.randn(2 * inter, 200, generator=g)  # gates up to ~+-150
@@ -119,7 +121,7 @@ def test_the_avx2_and_plain_builds(flags, tmp_path, monkeypatch):
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_build, "_FLAG_SETS", (flags,))
-    plain = cpu_gemm.bind(cpu_build.build(cpu_gemm.SOURCE))
+    plain = bind("gemm_cpu.c", cpu_build.build(SOURCE))
     assert plain.gemm_panel_width() == (16 if "-march=haswell" in flags else 8)
     g = torch.Generator().manual_seed(3)
     x, w, b = torch.randn(40, 300, generator=g), torch.randn(50, 300, generator=g), torch.randn(50, generator=g)
@@ -133,10 +135,7 @@ def test_the_avx2_and_plain_builds(flags, tmp_path, monkeypatch):
 @pytest.fixture
 def forced_on(monkeypatch):
     """The kernel on whatever the build (the default is on with AVX-512 only)."""
-    monkeypatch.setattr(cpu_gemm, "SWITCH", "1")
-    cpu_gemm.load_gemm.cache_clear()
-    yield
-    cpu_gemm.load_gemm.cache_clear()
+    monkeypatch.setenv("VLLM_COURSE_CPU_GEMM", "1")
 
 
 def runner(path, **kw):
@@ -156,7 +155,7 @@ def test_the_engine_puts_every_linear_layer_on_it_and_keeps_the_logits(tmp_path,
     path = tiny_checkpoint(tmp_path)
     model = runner(path, dtype="float32").model
     for m in linears(model):
-        assert isinstance(m.quant_method, CpuGemmLinearMethod)
+        assert isinstance(m.quant_method, CpuUnquantizedLinearMethod) and m.gemm == "fp32"
         assert m.gemm_weight is not None and m.packed_weight is None  # ours instead of oneDNN's
     assert [m.gemm_gated for m in linears(model)] == [m.prefix.endswith("gate_up_proj") for m in linears(model)]
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
@@ -164,30 +163,30 @@ def test_the_engine_puts_every_linear_layer_on_it_and_keeps_the_logits(tmp_path,
     torch.testing.assert_close(logits(model, ids), logits(dense, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_quantized_and_switched_off_layers_stay_on_onednn(tmp_path, forced_on, monkeypatch):
+def test_quantization_composes_and_bf16_and_switched_off_layers_stay_on_onednn(tmp_path, forced_on, monkeypatch):
+    """The GEMM is chosen per layer in the unquantized method's weight processing: quantized layers keep
+    their method (part 14), the layers quantization leaves (the LM head) get the kernel."""
     path = tiny_checkpoint(tmp_path)
-    for kw in (dict(dtype="bfloat16"), dict(dtype="float32", quantization="int8")):
-        assert not any(isinstance(m.quant_method, CpuGemmLinearMethod) for m in linears(runner(path, **kw).model))
-    monkeypatch.setattr(cpu_gemm, "SWITCH", "0")
-    cpu_gemm.load_gemm.cache_clear()
+    model = runner(path, dtype="float32", quantization="int8").model
+    quantized = [m for m in linears(model) if not isinstance(m.quant_method, UnquantizedLinearMethod)]
+    plain = [m for m in linears(model) if isinstance(m.quant_method, UnquantizedLinearMethod)]
+    assert quantized and plain and all(m.gemm == "fp32" for m in plain)
+    if not torch.cpu._is_amx_tile_supported():  # bf16 without AMX: oneDNN
+        assert all(m.gemm is None for m in linears(runner(path, dtype="bfloat16").model))
+    monkeypatch.setenv("VLLM_COURSE_CPU_GEMM", "0")
     assert cpu_gemm.load_gemm() is None
     for m in linears(runner(path, dtype="float32").model):
-        assert type(m.quant_method) is UnquantizedLinearMethod and m.packed_weight is not None
+        assert m.gemm is None and m.packed_weight is not None
 
 
 def test_the_default_follows_the_build(tmp_path, monkeypatch):
     """auto: on where the kernel was built with AVX-512 (and OpenMP), oneDNN elsewhere."""
-    monkeypatch.setattr(cpu_gemm, "SWITCH", "auto")
-    cpu_gemm.load_gemm.cache_clear()
-    try:
-        lib = cpu_gemm.bind(cpu_build.build(cpu_gemm.SOURCE))
-        expected = lib.gemm_panel_width() == 32 and lib.gemm_threaded() == 1
-        assert (cpu_gemm.load_gemm() is not None) == expected
-        on = any(isinstance(m.quant_method, CpuGemmLinearMethod)
-                 for m in linears(runner(tiny_checkpoint(tmp_path), dtype="float32").model))
-        assert on == expected
-    finally:
-        cpu_gemm.load_gemm.cache_clear()
+    monkeypatch.setenv("VLLM_COURSE_CPU_GEMM", "auto")
+    lib = bind("gemm_cpu.c", cpu_build.build(SOURCE))
+    expected = lib.gemm_panel_width() == 32 and lib.gemm_threaded() == 1
+    assert (cpu_gemm.load_gemm() is not None) == expected
+    on = any(m.gemm == "fp32" for m in linears(runner(tiny_checkpoint(tmp_path), dtype="float32").model))
+    assert on == expected
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -202,7 +201,6 @@ def test_the_engine_on_the_kernel_keeps_hf_greedy(tmp_path, forced_on, family):
     path = save_tiny(tmp_path / family, config, seed=5, scale=0.3)
     prompts = [[1, 5, 9, 33, 2, 77], [1, 100, 3], list(range(1, 50))]
     with LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory_mb=4) as engine:
-        assert all(isinstance(m.quant_method, CpuGemmLinearMethod)
-                   for m in linears(engine.engine.executor.runner.model))
+        assert all(m.gemm == "fp32" for m in linears(engine.engine.executor.runner.model))
         got = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy(12))]
     assert [list(t) for t in got] == hf_greedy_tokens(path, prompts, 12)

@@ -1,4 +1,4 @@
-"""Part 15's bf16 GEMM on AMX tiles (csrc/gemm_amx.c, cpu_gemm_amx.py): each output within the
+"""Part 15's bf16 GEMM on AMX tiles (cpu/csrc/gemm_amx.c, cpu/gemm.py): each output within the
 rounding bound of its K-term fp32 sum and one bf16 rounding, whatever the shape (under a tile's 16
 rows, rows off a multiple of 16, rows over a chunk, a bias, strided rows); a row's result the same bit for bit
 alone, with other rows or on one thread; the engine putting every linear layer on it in bf16, and
@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import part15_full.cpu_build as cpu_build
-import part15_full.cpu_gemm_amx as amx
-from part15_full.cpu_gemm_amx import AmxGemmLinearMethod
-from shared.layers import Linear, UnquantizedLinearMethod
+import part15_full.cpu.build as cpu_build
+import part15_full.cpu.gemm as amx
+from part15_full.cpu.gemm import CpuUnquantizedLinearMethod
+from part15_full.cpu.kernels import CSRC, bind
+from shared.layers import Linear
 from shared.weights import default_dtype, load_model
 
 from test_layer_seam import logits, tiny_checkpoint
@@ -25,17 +26,17 @@ U16 = 2.0 ** -8  # bf16's unit roundoff (8 significant bits)
 
 @pytest.fixture(scope="module")
 def lib():
-    built = cpu_build.build(amx.SOURCE)
+    built = cpu_build.build(CSRC / "gemm_amx.c")
     assert built is not None, "no C compiler here? the set-up installs none; cc must be on PATH"
-    lib = amx.bind(built)
+    lib = bind("gemm_amx.c", built)
     assert lib.amx_init() == 1, "Linux did not lend this process the tile registers"
     return lib
 
 
 def run(lib, x, w, bias=None, threads=None):
-    packed = amx.pack_weight(lib, w)
+    packed = amx.amx_pack_weight(lib, w)
     if threads is None:
-        return amx.gemm(lib, x, packed, w.shape[0], bias)
+        return amx.amx_gemm(lib, x, packed, w.shape[0], bias)
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
     assert lib.amx_gemm(x.shape[0], w.shape[0], x.shape[1], x.data_ptr(), x.stride(0), packed.data_ptr(),
                         out.data_ptr(), w.shape[0], None if bias is None else bias.data_ptr(), threads) == 0
@@ -97,7 +98,7 @@ def test_the_engine_puts_every_bf16_linear_layer_on_it_and_keeps_the_logits(tmp_
     path = tiny_checkpoint(tmp_path)
     model = runner(path, dtype="bfloat16").model
     for m in linears(model):
-        assert isinstance(m.quant_method, AmxGemmLinearMethod)
+        assert isinstance(m.quant_method, CpuUnquantizedLinearMethod) and m.gemm == "amx"
         assert m.gemm_weight is not None and m.packed_weight is None  # ours instead of oneDNN's
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     dense = load_model(path, torch.device("cpu"), torch.bfloat16)
@@ -109,7 +110,8 @@ def test_the_engine_puts_every_bf16_linear_layer_on_it_and_keeps_the_logits(tmp_
 @needs_amx
 def test_sizes_off_the_tiles_fp32_and_the_switch_stay_on_onednn(tmp_path, monkeypatch):
     with default_dtype(torch.bfloat16):
-        odd = Linear(576, 40, quant_config=amx.AmxGemmConfig(amx.load_amx()))
+        odd = Linear(576, 40)
+    odd.quant_method = CpuUnquantizedLinearMethod()  # as the CPU layer factory gives it
     odd.weight.data.copy_(torch.randn(40, 576, generator=torch.Generator().manual_seed(4)))
     odd.quant_method.process_weights_after_loading(odd)
     assert odd.gemm_weight is None and odd.packed_weight is not None  # 40 columns: oneDNN's copy
@@ -117,22 +119,16 @@ def test_sizes_off_the_tiles_fp32_and_the_switch_stay_on_onednn(tmp_path, monkey
     torch.testing.assert_close(odd(x).float(), torch.nn.functional.linear(x.float(), odd.weight.float()),
                                atol=0.05, rtol=0.02)
     path = tiny_checkpoint(tmp_path)
-    assert not any(isinstance(m.quant_method, AmxGemmLinearMethod) for m in linears(runner(path, dtype="float32").model))
-    monkeypatch.setattr(amx, "SWITCH", False)
-    amx.load_amx.cache_clear()
-    try:
-        assert amx.load_amx() is None
-        for m in linears(runner(path, dtype="bfloat16").model):
-            assert type(m.quant_method) is UnquantizedLinearMethod and m.packed_weight is not None
-    finally:
-        amx.load_amx.cache_clear()
+    assert not any(m.gemm == "amx" for m in linears(runner(path, dtype="float32").model))
+    monkeypatch.setenv("VLLM_COURSE_CPU_AMX", "0")
+    assert amx.load_amx() is None
+    for m in linears(runner(path, dtype="bfloat16").model):
+        assert m.gemm is None and m.packed_weight is not None
 
 
 def test_the_engine_asks_for_it_only_where_the_cpu_has_amx(tmp_path):
     """Where the CPU has AMX the kernel loads and every bf16 linear layer is on it; elsewhere no
-    library is loaded and the layers keep the shared dense method."""
-    amx.load_amx.cache_clear()
+    library is loaded and the layers stay on oneDNN."""
     assert (amx.load_amx() is not None) == HAS_AMX
-    on = [isinstance(m.quant_method, AmxGemmLinearMethod)
-          for m in linears(runner(tiny_checkpoint(tmp_path), dtype="bfloat16").model)]
+    on = [m.gemm == "amx" for m in linears(runner(tiny_checkpoint(tmp_path), dtype="bfloat16").model)]
     assert all(on) if HAS_AMX else not any(on)

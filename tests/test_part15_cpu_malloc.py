@@ -1,4 +1,4 @@
-"""Part 15's allocator settings on a CPU (cpu_malloc.py): freed activations stay in the heap."""
+"""Part 15's allocator settings on a CPU (cpu/malloc.py): freed activations stay in the heap."""
 from __future__ import annotations
 
 import platform
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import part15_full.model_runner as model_runner
-from part15_full.cpu_malloc import tune_malloc
+import part15_full.cpu.malloc as cpu_malloc
+from part15_full.cpu.malloc import tune_malloc
 from conftest import build_llm
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 # pass by luck.
 STEPS = """
 import ctypes, resource, sys, torch
-from part15_full.cpu_malloc import tune_malloc
+from part15_full.cpu.malloc import tune_malloc
 if sys.argv[1] == "tuned":
     assert tune_malloc()
 else:
@@ -59,7 +59,7 @@ def test_the_off_switch(monkeypatch):
 
 def test_a_cpu_engine_applies_them(monkeypatch):
     calls = []
-    monkeypatch.setattr(model_runner, "tune_malloc", lambda: calls.append(True))
+    monkeypatch.setattr(cpu_malloc, "tune_malloc", lambda: calls.append(True))
     llm = build_llm("part15_full", kv_cache_memory_mb=8)
     try:
         assert calls == [True]

@@ -10,9 +10,10 @@ import platform
 import pytest
 import torch
 
-import part15_full.cpu_build as cpu_build
-import part15_full.cpu_ops as cpu_ops
-from part15_full.cpu_ops import CpuKernelLayers, CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
+import part15_full.cpu.build as cpu_build
+import part15_full.cpu.layers as cpu_ops
+from part15_full.cpu.kernels import CSRC, bind
+from part15_full.cpu.layers import CpuLayers, CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
 from shared.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from shared.model import LayerFactory, WrappedLayers
 from shared.weights import load_model
@@ -235,7 +236,7 @@ class Renamed(WrappedLayers):
 @pytest.mark.parametrize("wrapped", [False, True], ids=["direct", "under_a_wrapper"])
 def test_the_factory_puts_every_elementwise_layer_on_the_kernels(ops, tmp_path, wrapped):
     path = tiny_checkpoint(tmp_path)
-    layers = CpuKernelLayers(LayerFactory(), ops)
+    layers = CpuLayers(LayerFactory(), ops)
     model = load_model(path, torch.device("cpu"), torch.float32, layers=Renamed(layers) if wrapped else layers)
     kinds = {type(m) for m in model.modules()}
     assert {CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul} <= kinds
@@ -253,23 +254,20 @@ def test_the_engine_runs_them_on_cpu_and_the_off_switch_removes_them(monkeypatch
     config = EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_memory_mb=4)
     runner = ModelRunner(config)
     assert any(isinstance(m, CpuRMSNorm) for m in runner.model.modules())
-    monkeypatch.setattr(cpu_ops, "ENABLED", False)
-    cpu_ops.load_ops.cache_clear()
-    try:
-        assert cpu_ops.load_ops() is None
-        runner = ModelRunner(config)
-        assert not any(isinstance(m, (CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul)) for m in runner.model.modules())
-    finally:
-        cpu_ops.load_ops.cache_clear()
+    monkeypatch.setenv("VLLM_COURSE_CPU_FUSED_OPS", "0")
+    assert cpu_ops.load_ops() is None
+    runner = ModelRunner(config)
+    assert not any(isinstance(m, (CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul)) for m in runner.model.modules())
 
 
 def test_the_engine_in_bf16_tracks_the_fp32_oracle(prompt_token_ids, fp32_oracle):
     """Part 15 in bf16 on the CPU, held to the fp32 oracle with the bf16 tolerances the GPU tier
     holds every part to on CUDA: through the bf16 kernels (attention, norm, rotary, SiLU), and with
-    the weights packed for the AMX kernel where the CPU has AMX (cpu_gemm_amx.py), else prepacked for
+    the weights packed for the AMX kernel where the CPU has AMX (cpu/gemm.py), else prepacked for
     oneDNN where it has native bf16."""
     from part15_full import LLM
-    from part15_full.cpu_gemm_amx import load_amx
+    from part15_full.cpu.attention import CpuAttention
+    from part15_full.cpu.gemm import load_amx
     from shared.layers import Linear, cpu_has_native_bf16
 
     from conftest import assert_bf16_greedy_tracks, assert_bf16_teacher_forced
@@ -278,8 +276,7 @@ def test_the_engine_in_bf16_tracks_the_fp32_oracle(prompt_token_ids, fp32_oracle
         runner = llm.engine.executor.runner
         kinds = {type(m) for m in runner.model.modules()}
         assert {CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul} <= kinds
-        probe = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
-        assert runner.attn.cpu_kernel.supports(probe, runner.attn.k_cache[0])
+        assert isinstance(runner.attn, CpuAttention)
         linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
         amx, native = load_amx() is not None, cpu_has_native_bf16()
         assert all((getattr(m, "gemm_weight", None) is not None) == amx for m in linears)
@@ -292,7 +289,7 @@ def test_a_build_without_openmp_or_march_gives_the_same_results(ops, tmp_path, m
     """A plainer compiler line (the set-up's last fallback): one thread, no AVX, same maths."""
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_build, "_FLAG_SETS", (["-O2"],))
-    plain = cpu_ops.bind(cpu_build.build(cpu_ops.SOURCE))
+    plain = cpu_ops.by_dtype(bind("fused_ops_cpu.c", cpu_build.build(CSRC / "fused_ops_cpu.c")))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 2 * 96, generator=g) * 5  # over the threaded path's threshold
     torch.testing.assert_close(CpuSiluAndMul(plain)(x), CpuSiluAndMul(ops)(x), atol=1e-6, rtol=1e-6)
@@ -309,13 +306,13 @@ def test_the_wide_vectors_switch_is_a_build_of_its_own_with_the_same_maths(ops, 
     builds = {}
     for wide in ("1", "0"):
         monkeypatch.setenv("VLLM_COURSE_CPU_WIDE_VECTORS", wide)
-        builds[wide] = cpu_build.build(cpu_ops.SOURCE)
+        builds[wide] = cpu_build.build(CSRC / "fused_ops_cpu.c")
     assert builds["1"] is not None and builds["0"] is not None
     # Only x86 compilers get the flag: elsewhere both settings are the same build.
     assert (builds["1"] != builds["0"]) == (platform.machine().lower() in ("x86_64", "amd64"))
     g = torch.Generator().manual_seed(4)
     x = torch.randn(33, 2 * 1536, generator=g) * 5
-    wide, narrow = cpu_ops.bind(builds["1"]), cpu_ops.bind(builds["0"])
+    wide, narrow = (cpu_ops.by_dtype(bind("fused_ops_cpu.c", builds[w])) for w in "10")
     torch.testing.assert_close(CpuSiluAndMul(wide)(x), CpuSiluAndMul(narrow)(x), atol=1e-6, rtol=1e-6)
     a, _, _ = norms(576, wide)
     b, _, _ = norms(576, narrow)
@@ -334,7 +331,7 @@ def test_a_compiler_that_refuses_the_wide_flag_still_builds_with_openmp(tmp_path
             return cpu_build.subprocess.CompletedProcess(cmd, 1, "", "unrecognized command-line option")
         return run(cmd, *args, **kwargs)
     monkeypatch.setattr(cpu_build.subprocess, "run", refuse_the_flag)
-    assert cpu_build.build(cpu_ops.SOURCE) is not None
+    assert cpu_build.build(CSRC / "fused_ops_cpu.c") is not None
     assert "-fopenmp" in tried[-1] and "-march=native" in tried[-1]
     assert "-mprefer-vector-width=512" not in tried[-1]
 

@@ -1,6 +1,6 @@
 """Paged attention on a CPU, reading K/V blocks in place: a small C kernel, built at first use.
 
-Why. The torch path of paged_attention.py gathers every block a step reads into a contiguous copy
+Why. The torch reference of paged_attention.py (TorchAttention) gathers every block a step reads into a contiguous copy
 (`index_select`) and lets SDPA read the copy. A decode row does ~2 FLOPs per byte of K/V it reads,
 so on a CPU attention costs what it moves through memory, and the gather triples that: read,
 write, read again. Part 15's profile on the held-out workload had the gather and SDPA at ~19% of
@@ -17,37 +17,37 @@ suits SDPA (a chunk on a cached context does not: SDPA with a mask is slow).
 A prefill's rows go in tiles of a few rows that read each key once for the whole tile
 (`csrc/prefill_tiles.h`, ~190 lines); decode rows go one at a time.
 The same library stores the step's new K/V rows in their slots first (store_kv: one call for K
-and V, where torch took an index_copy_ each). fp32 or bf16. cpu_build.py compiles it once per
-machine; ctypes loads it.
-Without a compiler, or if the build fails, a warning says so and the torch path serves (the
-engine's results are the same, to float rounding).
+and V, where torch took an index_copy_ each). fp32 or bf16. build.py compiles it once per machine;
+kernels.py declares its functions.
 
-Off-switches: VLLM_COURSE_CPU_ATTENTION=0 (the torch path), VLLM_COURSE_CPU_ATTENTION_TILES=0 (prefills
-row by row, as decode).
+`CpuAttention` is the backend paged_attention.get_attention_backend picks on a CPU when the kernel
+is built and the model's shapes fit it; otherwise TorchAttention serves (the engine's results are
+the same, to float rounding). A step's plan (which rows go where) is worked out once, by
+`bind_step`, and every layer uses it; the CPU graph runner calls the step with the fused QKV
+projection's output (`CpuAttentionStep.fused`), the modules with q, k and v.
+
+Off-switches (envs.py): VLLM_COURSE_CPU_ATTENTION=0 (the torch reference),
+VLLM_COURSE_CPU_ATTENTION_TILES=0 (prefills row by row, as decode), VLLM_COURSE_CPU_ATTENTION_AMX=0.
 
 In vLLM v0.33.0: vllm/v1/attention/backends/cpu_attn.py (CPUAttentionBackendImpl, calling
 ops.cpu_attn_reshape_and_cache and ops.cpu_attention_with_kv_cache), csrc/cpu/cpu_attn.cpp and
 csrc/cpu/cpu_attn_impl.hpp (the kernels, one per ISA)."""
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import logging
-import os
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from shared.attention import sdpa
 
-from .attention_metadata import PagedAttentionMetadata
-from .cpu_build import CSRC, build
-from .kv_cache_manager import cdiv
-from .paged_attention import _gather, reshape_and_cache_ref
+from .. import envs
+from ..attention_metadata import PagedAttentionMetadata
+from ..kv_cache_manager import cdiv
+from ..paged_attention import PagedAttention, gather_blocks, reshape_and_cache_ref
+from .kernels import load
 
-SOURCE = CSRC / "paged_attention_cpu.c"
 SHORT_QUERY = 8  # queries of up to this many tokens always go through the kernel
 # A longer query (a prefill) goes through it too while its sequence is at most this long, and
 # always when it is a chunk on a cached context. A fresh prefill is plain causal attention, which
@@ -57,40 +57,27 @@ SHORT_QUERY = 8  # queries of up to this many tokens always go through the kerne
 # needs SDPA with a mask, which falls to its slow unfused path: a 977-token chunk on 1024 cached took
 # 4061 ms there against 1540 in the kernel (fp32; bf16 1841 against 1686).
 PREFILL_MAX_LEN = {torch.float32: 1024, torch.bfloat16: 256}
-ENABLED = os.environ.get("VLLM_COURSE_CPU_ATTENTION", "1") != "0"
-TILES = os.environ.get("VLLM_COURSE_CPU_ATTENTION_TILES", "1") != "0"
-AMX = os.environ.get("VLLM_COURSE_CPU_ATTENTION_AMX", "1") != "0"  # bf16 decode scores on AMX tiles
-logger = logging.getLogger(__name__)
+
+
+def load_kernel() -> SimpleNamespace | None:
+    """The kernel's library, or None (off, no compiler, build failed): then the torch reference."""
+    if not envs.VLLM_COURSE_CPU_ATTENTION:
+        return None
+    return _load_kernel(envs.VLLM_COURSE_CPU_ATTENTION_AMX and torch.cpu._is_amx_tile_supported())
 
 
 @lru_cache(maxsize=None)
-def load_kernel():
-    """The kernel's library (bind()), or None (off, no compiler, build failed): then the torch path."""
-    if not ENABLED:
-        return None
-    path = build(SOURCE)
-    if path is None:
-        logger.warning("CPU paged attention: no kernel, using the torch path (gather + SDPA)")
-        return None
-    lib = bind(path)
-    lib.attention_use_amx(int(AMX and torch.cpu._is_amx_tile_supported()))
+def _load_kernel(amx: bool) -> SimpleNamespace | None:
+    lib = load("paged_attention_cpu.c")
+    if lib is not None:
+        lib.attention_use_amx(int(amx))
     return lib
 
 
-def bind(path: Path) -> ctypes.CDLL:
-    """The library, its two functions' C signatures declared for ctypes."""
-    lib = ctypes.CDLL(str(path))
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.paged_attention_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
-                                         i32, ctypes.c_float, ptr, i64, i32, i32]
-    lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
-    lib.attention_use_amx.argtypes = [i32]
-    for fn in (lib.paged_attention_rows, lib.store_kv, lib.attention_tile_lanes, lib.attention_use_amx):
-        fn.restype = i32
-    return lib
-
-
-_UNRECORDED = contextlib.nullcontext()
+def fits(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Within the kernel's fixed buffers: up to 16 query heads per KV head, head size and block size
+    up to 256."""
+    return heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256 and block_size <= 256
 
 
 @dataclass
@@ -138,71 +125,100 @@ def _plan(metadata: PagedAttentionMetadata, block_size: int, dtype: torch.dtype,
                  metadata.slot_mapping.to(torch.int64).contiguous())
 
 
-class CpuPagedAttention:
-    """The CPU path of PagedAttention.forward: store this step's K/V, then attend."""
+class CpuAttention(PagedAttention):
+    """The paged KV pool with attention in the C kernel (fp32 or bf16 on the CPU)."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
+    def __init__(self, *args, lib: SimpleNamespace, num_heads: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lib, self.num_heads = lib, num_heads
         # A sequence with more query rows than this in a step is tiled (csrc/prefill_tiles.h).
-        self.short_run = SHORT_QUERY if TILES else 2 ** 31 - 1
+        self.short_run = SHORT_QUERY if envs.VLLM_COURSE_CPU_ATTENTION_TILES else 2 ** 31 - 1
         self.lanes = lib.attention_tile_lanes()  # a tile of G query heads per KV head holds lanes // G rows
-        self._metadata = None  # the step whose plan is cached (the same object for every layer)
-        self._plan: _Plan | None = None
+        self._step: tuple[PagedAttentionMetadata, CpuAttentionStep] | None = None
 
     @staticmethod
-    def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """fp32 or bf16 (q and the pool alike) on the CPU, of shapes the kernel takes (`fits`)."""
-        return (q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu"
-                and CpuPagedAttention.fits(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]))
+    def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.bfloat16) and fits(num_heads, num_kv_heads, head_dim, block_size)
 
-    @staticmethod
-    def fits(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
-        """Within the kernel's fixed buffers: up to 16 query heads per KV head, head size and block
-        size up to 256."""
-        return heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256 and block_size <= 256
+    def plan(self, metadata: PagedAttentionMetadata) -> _Plan:
+        """The step's rows as the kernel takes them (`bind_step` makes it once for every layer)."""
+        tile_rows = max(1, self.lanes // (self.num_heads // self.k_cache.shape[3]))
+        return _plan(metadata, self.block_size, self.k_cache.dtype, tile_rows, self.short_run)
 
-    def plan(self, metadata: PagedAttentionMetadata, group: int, block_size: int, dtype: torch.dtype) -> _Plan:
-        """The step's rows as the kernel takes them, made by its first layer and kept for the others
-        (`group`: query heads per KV head)."""
-        if metadata is not self._metadata:
-            tile_rows = max(1, self.lanes // group)
-            self._metadata, self._plan = metadata, _plan(metadata, block_size, dtype, tile_rows, self.short_run)
-        return self._plan
+    def bind_step(self, metadata: PagedAttentionMetadata):
+        if self.kv_connector is not None:  # the connector's per-layer hooks: the base's step
+            return super().bind_step(metadata)
+        if self._step is None or self._step[0] is not metadata:
+            self._step = (metadata, CpuAttentionStep(self, metadata))
+        return self._step[1]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+
+class CpuAttentionStep:
+    """One step's attention for every layer: the plan and the kernels' fixed arguments worked out
+    once. Called as a backend step, (layer_idx, q, k, v) -> out; `fused` takes the fused QKV
+    projection's output instead (the graph runner's call)."""
+
+    def __init__(self, backend: CpuAttention, metadata: PagedAttentionMetadata):
+        self.backend, self.metadata = backend, metadata
+        self.plan = plan = backend.plan(metadata)
+        k_cache = backend.k_cache
+        self.caches = [(k_cache[i].data_ptr(), backend.v_cache[i].data_ptr()) for i in range(k_cache.shape[0])]
+        self.num_slots = k_cache.shape[1] * k_cache.shape[2]
+        self.bf16 = int(k_cache.dtype == torch.bfloat16)
+        self.kv_heads, self.d = k_cache.shape[3], k_cache.shape[4]
+        # paged_attention_rows' arguments after (q, q_row_stride, k_cache, v_cache), up to `out`.
+        self.rows_args = (plan.tables.data_ptr(), plan.tables.stride(0), plan.row_idx.data_ptr(),
+                          plan.row_seq.data_ptr(), plan.row_len.data_ptr(), plan.tiles.data_ptr(),
+                          plan.tiled.data_ptr(), plan.tiled.numel(), backend.num_heads, self.kv_heads, self.d,
+                          backend.block_size, backend.scale)
+
+    def _store(self, layer_idx: int, k_p: int, k_stride: int, v_p: int, v_stride: int, num_tokens: int) -> None:
+        k_cache, v_cache = self.caches[layer_idx]
+        if self.backend.lib.store_kv(k_p, k_stride, v_p, v_stride, k_cache, v_cache, self.plan.slots.data_ptr(),
+                                     num_tokens, self.kv_heads * self.d, self.num_slots, self.bf16):
+            raise IndexError(f"a slot is past the KV pool's {self.num_slots}")
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, q_p: int, q_stride: int, out: torch.Tensor) -> None:
+        """The kernel's rows, then the long prefills through SDPA (q: [T, H, D], a view)."""
+        plan, backend = self.plan, self.backend
+        if plan.row_idx.numel():
+            k_cache, v_cache = self.caches[layer_idx]
+            status = backend.lib.paged_attention_rows(q_p, q_stride, k_cache, v_cache, *self.rows_args,
+                                                      out.data_ptr(), out.stride(0), torch.get_num_threads(),
+                                                      self.bf16)
+            if status == -2:
+                raise MemoryError("CPU paged attention: no memory for the bf16 block buffers")
+            assert status == 0, "shapes outside the kernel's buffers (fits() should have said)"
+        if plan.long:
+            k_cache, v_cache = backend.k_cache[layer_idx], backend.v_cache[layer_idx]
+            heads = out.view(out.shape[0], -1, self.d)
+            for start, q_len, seq_len, tables in plan.long:  # prefill: gather its context, then SDPA
+                keys, values = gather_blocks(k_cache, tables, seq_len), gather_blocks(v_cache, tables, seq_len)
+                heads[start:start + q_len] = sdpa(q[start:start + q_len], keys, values, backend.scale,
+                                                  q_start=seq_len - q_len)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KV, D] as PagedAttention.forward takes them -> [T, H, D]."""
-        block_size = k_cache.shape[1]
-        plan, bf16 = self.plan(metadata, q.shape[1] // k_cache.shape[2], block_size, q.dtype), q.dtype == torch.bfloat16
         heads_packed = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
-        num_slots = k_cache.shape[0] * block_size
-        if heads_packed and k.dtype == v.dtype == k_cache.dtype and plan.slots.numel() == k.shape[0]:
-            status = self.lib.store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                                       v_cache.data_ptr(), plan.slots.data_ptr(), k.shape[0],
-                                       k.shape[1] * k.shape[2], num_slots, bf16)
-            if status != 0:
-                raise IndexError(f"a slot is past the KV pool's {num_slots}")
+        if heads_packed and k.dtype == v.dtype == self.backend.k_cache.dtype and \
+                self.plan.slots.numel() == k.shape[0]:
+            self._store(layer_idx, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0])
         else:
-            reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
+            backend = self.backend
+            reshape_and_cache_ref(k, v, backend.k_cache[layer_idx], backend.v_cache[layer_idx],
+                                  self.metadata.slot_mapping)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()  # the kernel needs each row's heads side by side
         out = torch.empty(q.shape, dtype=q.dtype)
-        if plan.row_idx.numel():
-            # A ctypes call is no torch op: named for the profiler, only when one is on (a
-            # record_function costs ~9 us, as much as the kernel call itself for one short row).
-            with torch.profiler.record_function("cpu_paged_attention") if torch.autograd._profiler_enabled() \
-                    else _UNRECORDED:
-                status = self.lib.paged_attention_rows(
-                    q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), plan.tables.data_ptr(),
-                    plan.tables.stride(0), plan.row_idx.data_ptr(), plan.row_seq.data_ptr(),
-                    plan.row_len.data_ptr(), plan.tiles.data_ptr(), plan.tiled.data_ptr(), plan.tiled.numel(),
-                    q.shape[1], k_cache.shape[2], q.shape[2], block_size, scale, out.data_ptr(), out.stride(0),
-                    torch.get_num_threads(), bf16)
-            if status == -2:
-                raise MemoryError("CPU paged attention: no memory for the bf16 block buffers")
-            assert status == 0, "shapes outside the kernel's buffers (supports() should have said)"
-        for start, q_len, seq_len, tables in plan.long:  # prefill: gather its context, then SDPA
-            keys, values = _gather(k_cache, tables, seq_len), _gather(v_cache, tables, seq_len)
-            out[start:start + q_len] = sdpa(q[start:start + q_len], keys, values, scale, q_start=seq_len - q_len)
+        self._attend(layer_idx, q, q.data_ptr(), q.stride(0), out.view(q.shape[0], -1))
         return out
 
+    def fused(self, layer_idx: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
+        """qkv [T, (H + 2 KV) D], a row's q, k and v heads side by side (the QKV projection's output,
+        rotated): store its K/V, attend, write out [T, H D]."""
+        t, width = qkv.shape
+        q_p, size = qkv.data_ptr(), qkv.element_size()
+        hd, kvd = self.backend.num_heads * self.d, self.kv_heads * self.d
+        self._store(layer_idx, q_p + size * hd, width, q_p + size * (hd + kvd), width, t)
+        q = qkv[:, :hd].view(t, -1, self.d) if self.plan.long else None
+        self._attend(layer_idx, q, q_p, width, out)

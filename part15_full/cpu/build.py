@@ -2,8 +2,8 @@
 
 A kernel is a plain C file with no Python in it, compiled with the system's C compiler (`cc`, or
 $CC) into a shared library in ~/.cache/vllm-course ($VLLM_COURSE_CACHE, beside the converted
-model) and loaded with ctypes by the module that uses it (cpu_attention.py, cpu_ops.py). `make
-setup` builds them ahead (`main()` below). Without a compiler, or if a build fails, a warning says
+model) and loaded with ctypes (kernels.py declares every function). `make setup` builds them
+ahead (`main()` below). Without a compiler, or if a build fails, a warning says
 so and the torch path serves: the engine's results are the same, to float rounding. Nothing is
 compiled at install time, and a C file changed by a reader is rebuilt at its next use (the cache
 key holds the source and the headers beside it)."""
@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 from shared.gguf_convert import cache_root
+
+from .. import envs
 
 CSRC = Path(__file__).with_name("csrc")
 # Tried in order: -march=native is what makes the loops AVX2/AVX-512; -fopenmp runs the kernels on
@@ -51,7 +53,7 @@ def build(source: Path, compiler: str | None = None) -> Path | None:
     if not compiler or not source.is_file():
         return None
     texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # its includes
-    wide = os.environ.get("VLLM_COURSE_CPU_WIDE_VECTORS", "1") != "0"
+    wide = envs.VLLM_COURSE_CPU_WIDE_VECTORS
     extra = _X86_FLAGS if wide and platform.machine().lower() in ("x86_64", "amd64") else []
     # Each -march=native line first with the extra flags, then without (a compiler too old to know them).
     flag_sets = [line for flags in _FLAG_SETS

@@ -1,81 +1,69 @@
-"""The linear layers' GEMM on a CPU in fp32: our own kernel (csrc/gemm_cpu.c) in place of oneDNN.
+"""The linear layers' GEMM on a CPU, chosen once per layer after loading: our own kernels in place
+of oneDNN where they pay, oneDNN's prepacked GEMM (shared/layers.py) elsewhere.
 
-Why. Part 15's profile on the held-out workload has ~80% of its time in the linear layers, and most
-of a decode step's share is a few rows against a weight read from DRAM, where oneDNN's kernels run
-at half the machine's FLOP rate (shared/layers.py prepacks for them). The kernel here streams each
-weight panel once for all of a step's rows and asks for the next panel while it works on this one:
-on a 2-core Cascade Lake Xeon the 30 layers' projections ran 1.4-1.6x faster at 1-32 rows, as fast
-at 1024 (the lesson has the table).
+Why. Most of a CPU step is the linear layers, and most of a decode step's share is a few rows
+against a weight read from memory, where oneDNN's kernels run well under the machine's peak. Two
+kernels stream each weight panel once for all of a step's rows and ask for the next panel while
+they work on this one: in fp32 csrc/gemm_cpu.c, compiled for this CPU (the default where the build
+has AVX-512; VLLM_COURSE_CPU_GEMM=0 off, =1 on whatever the build), in bf16 csrc/gemm_amx.c on AMX
+tiles where the CPU has them (VLLM_COURSE_CPU_AMX=0 off). cpu/README.md has their measurements.
 
-How. Each linear layer gets its quantize method from the factory's quant config (shared/layers.py),
-as part 14's weight formats do; with no quantization asked, a CPU model runner hands in
-`CpuGemmConfig`, whose method keeps the dense weight (loaders, the tied embedding and tests read
-it) and, after loading, a copy packed for the kernel in place of oneDNN's. Another dtype, a layer
-the kernel cannot take and torch.compile's tracing fall back to the dense method. The MLP's gate/up
-weight is packed with gate and up columns side by side, so that the flat forward can end its GEMM
-with the activation (`gemm_gated`); the layer's own forward gets gate | up from it, the same bits.
-A row's result does not depend on how many rows share the call (the kernel sums every output in one
-order), so a seeded request samples the same alone and in a batch, as with oneDNN.
-
-Which build. The kernel is compiled for this CPU (-march=native, cpu_build.py); it is the default
-where that build has AVX-512 (measured), and oneDNN stays the default elsewhere (AVX2: not measured
-against oneDNN on an AVX2 CPU). VLLM_COURSE_CPU_GEMM=0 turns it off, =1 on whatever the build.
+How. The CPU layer factory (layers.py) gives every unquantized linear layer this file's
+`CpuUnquantizedLinearMethod`; quantized layers keep their own method (part 14), so quantization
+composes with it. Its `process_weights_after_loading` picks the layer's GEMM by its weight's dtype
+and shape and packs a copy for the kernel (the dense weight stays the parameter: loaders, the tied
+embedding and tests read it). The MLP's gate/up weight is packed with gate and up columns side by
+side, so that the graph runner can end the GEMM with the activation (`gemm_gated`); the layer's
+own forward gets gate | up from it, the same bits. A row's result does not depend on how many rows
+share the call (each output sums its products in one order), so a seeded request samples the same
+alone and in a batch, as with oneDNN. torch.compile's tracing, another dtype or a weight the kernel
+cannot take keep oneDNN.
 
 In vLLM v0.33.0: vllm/model_executor/layers/utils.py, `dispatch_cpu_unquantized_gemm`, called from
 the unquantized linear method's process_weights_after_loading on a CPU, picks per layer between a
-oneDNN handle made once per weight and, for small weights, sgl-kernel's packed-weight GEMM."""
+oneDNN handle made once per weight and, for small bf16 weights on AMX, sgl-kernel's packed GEMM."""
 from __future__ import annotations
 
-import ctypes
-import logging
-import os
 from functools import lru_cache
-from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from shared.layers import Linear, MergedLinear, QuantizationConfig, UnquantizedLinearMethod
+from shared.layers import MergedLinear, UnquantizedLinearMethod
 
-from .cpu_build import CSRC, build
+from .. import envs
+from .kernels import load
 
-SOURCE = CSRC / "gemm_cpu.c"
-SWITCH = os.environ.get("VLLM_COURSE_CPU_GEMM", "auto")  # auto: on where the build has AVX-512
-logger = logging.getLogger(__name__)
+AMX_TILE = 32  # the AMX kernel's panel width and k-step: N and K must be multiples of it
 
 
-def bind(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.gemm.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i32]
-    lib.gemm.restype = i32
-    lib.gemm_pack_weight.argtypes = [ptr, i64, i64, ptr]
-    lib.gemm_pack_weight.restype = None
-    lib.gemm_gated.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
-    lib.gemm_gated.restype = i32
-    lib.gemm_pack_weight_gated.argtypes = [ptr, i64, i64, ptr]
-    lib.gemm_pack_weight_gated.restype = None
-    lib.gemm_panel_width.restype = lib.gemm_threaded.restype = i32
-    return lib
+def load_gemm() -> SimpleNamespace | None:
+    """The fp32 kernel when the engine should use it (VLLM_COURSE_CPU_GEMM), or None."""
+    return _load_gemm(envs.VLLM_COURSE_CPU_GEMM)
 
 
 @lru_cache(maxsize=None)
-def load_gemm() -> ctypes.CDLL | None:
-    """The kernel's library when the engine should use it (see the module's docstring), or None."""
-    if SWITCH == "0":
+def _load_gemm(switch: str) -> SimpleNamespace | None:
+    lib = None if switch == "0" else load("gemm_cpu.c")
+    if lib is None:
         return None
-    path = build(SOURCE)
-    if path is None:
-        logger.warning("CPU GEMM kernel: not built, using oneDNN")
-        return None
-    lib = bind(path)
     wide = lib.gemm_panel_width() >= 32  # AVX-512: two 16-float vectors a panel
-    if SWITCH != "1" and not (wide and lib.gemm_threaded()):
-        return None
-    return lib
+    return lib if switch == "1" or (wide and lib.gemm_threaded()) else None
 
 
-def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+def load_amx() -> SimpleNamespace | None:
+    """The bf16 AMX kernel where the CPU has AMX, the build has it and Linux lends the tiles; else None."""
+    return _load_amx(envs.VLLM_COURSE_CPU_AMX and torch.cpu._is_amx_tile_supported())
+
+
+@lru_cache(maxsize=None)
+def _load_amx(wanted: bool) -> SimpleNamespace | None:
+    lib = load("gemm_amx.c") if wanted else None
+    return lib if lib is not None and lib.amx_init() else None
+
+
+def pack_weight(lib: SimpleNamespace, weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] fp32 -> the kernel's panels, [ceil(N / NR) * K * NR] floats."""
     n, k = weight.shape
     nr = lib.gemm_panel_width()
@@ -85,7 +73,7 @@ def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def pack_weight_gated(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+def pack_weight_gated(lib: SimpleNamespace, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's gate/up weight [2I, K] fp32 (gate rows, then up rows) -> panels of gate and up columns
     side by side, [ceil(I / VW) * K * NR] floats (VW = NR / 2)."""
     n, k = weight.shape
@@ -96,7 +84,7 @@ def pack_weight_gated(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def gemm_gated(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, inter: int, silu: bool) -> torch.Tensor:
+def gemm_gated(lib: SimpleNamespace, x: torch.Tensor, packed: torch.Tensor, inter: int, silu: bool) -> torch.Tensor:
     """x [T, K] fp32 against a gate/up weight packed by pack_weight_gated -> silu(gate) * up [T, inter]
     (`silu`: the MLP's activation in the GEMM's last step), or gate | up [T, 2 inter] as gemm gives."""
     rows = x if x.stride(-1) == 1 else x.contiguous()
@@ -108,7 +96,7 @@ def gemm_gated(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, inter: i
     return out
 
 
-def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+def gemm(lib: SimpleNamespace, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
          ) -> torch.Tensor:
     """x [..., K] fp32 @ W^T (+ bias) with W packed by pack_weight -> [..., n]."""
     flat = x.dim() == 2  # the model's case: no reshape and view around the call (a few us each)
@@ -123,6 +111,34 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: 
     return out if flat else out.view(*x.shape[:-1], n)
 
 
+def amx_fits(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return n % AMX_TILE == 0 and k % AMX_TILE == 0
+
+
+def amx_pack_weight(lib: SimpleNamespace, weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 (N, K multiples of 32) -> the AMX kernel's tiles, [N * K] bf16."""
+    n, k = weight.shape
+    weight = weight.detach().contiguous()
+    packed = torch.empty(n * k, dtype=torch.bfloat16)
+    lib.amx_pack_weight(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def amx_gemm(lib: SimpleNamespace, x: torch.Tensor, packed: torch.Tensor, n: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 @ W^T (+ bias) with W packed by amx_pack_weight -> [..., n] bf16."""
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
+    if lib.amx_gemm(rows.shape[0], n, rows.shape[1], rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                    out.data_ptr(), n, None if bias is None else bias.data_ptr(), torch.get_num_threads()):
+        raise RuntimeError("AMX GEMM: this build of the kernel has no AMX")
+    return out if flat else out.view(*x.shape[:-1], n)
+
+
 def is_gate_up(layer: nn.Module) -> bool:
     """Two stacked projections of one size and no bias: the MLP's gate/up (gate rows first)."""
     if not isinstance(layer, MergedLinear) or getattr(layer, "bias", None) is not None or len(layer.shards) != 2:
@@ -131,47 +147,35 @@ def is_gate_up(layer: nn.Module) -> bool:
     return start0 == 0 and start1 == size0 == size1 and 2 * size0 == layer.weight.shape[0]
 
 
-class CpuGemmLinearMethod(UnquantizedLinearMethod):
-    """The dense method, with an fp32 CPU weight packed for the kernel (`layer.gemm_weight`)
-    instead of for oneDNN. A gate/up weight is packed gated (`layer.gemm_gated`): its forward gives
-    the same bits, and the flat forward (flat_forward.py) can end the GEMM with the activation."""
+class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
+    """The dense method, whose weight processing picks the layer's CPU GEMM once: `layer.gemm`
+    is "fp32" (gemm_cpu.c) or "amx" (gemm_amx.c) with the weight packed for it in
+    `layer.gemm_weight` (a gate/up weight packed gated: `layer.gemm_gated`), or None for oneDNN."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
+    lib: SimpleNamespace | None = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        w = layer.weight
-        layer.gemm_weight = None
-        bias = getattr(layer, "bias", None)
-        if w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and (
-                bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
-            layer.packed_weight = None  # no oneDNN copy beside ours
-            layer.gemm_gated = is_gate_up(layer)
-            layer.gemm_weight = (pack_weight_gated if layer.gemm_gated else pack_weight)(self.lib, w)
-        else:
-            super().process_weights_after_loading(layer)
+        w, bias = layer.weight, getattr(layer, "bias", None)
+        layer.gemm, layer.gemm_weight, layer.gemm_gated = None, None, False
+        plain = w.device.type == "cpu" and w.dim() == 2 and (
+            bias is None or (bias.dtype == w.dtype and bias.is_contiguous()))
+        if plain and w.dtype == torch.float32 and (lib := load_gemm()) is not None:
+            layer.gemm, layer.gemm_gated = "fp32", is_gate_up(layer)
+            layer.gemm_weight = (pack_weight_gated if layer.gemm_gated else pack_weight)(lib, w)
+        elif plain and w.dtype == torch.bfloat16 and amx_fits(w) and (lib := load_amx()) is not None:
+            layer.gemm, layer.gemm_weight = "amx", amx_pack_weight(lib, w)
+        if layer.gemm is None:
+            return super().process_weights_after_loading(layer)  # oneDNN's prepacked weight
+        self.lib, layer.packed_weight = lib, None  # no oneDNN copy beside ours
 
     def apply(self, layer, x, bias=None):
-        packed = getattr(layer, "gemm_weight", None)
-        if packed is None or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        kind = getattr(layer, "gemm", None)
+        if kind is None or x.dtype != layer.weight.dtype or torch.compiler.is_compiling():
             return super().apply(layer, x, bias)
+        n = layer.weight.shape[0]
+        if kind == "amx":
+            return amx_gemm(self.lib, x, layer.gemm_weight, n, bias)
         if layer.gemm_gated:
             flat = x.reshape(-1, x.shape[-1])
-            return gemm_gated(self.lib, flat, packed, layer.weight.shape[0] // 2, False).view(
-                *x.shape[:-1], layer.weight.shape[0])
-        return gemm(self.lib, x, packed, layer.weight.shape[0], bias)
-
-
-class CpuGemmConfig(QuantizationConfig):
-    """No quantization, every linear layer on the CPU GEMM kernel (the model runner's choice)."""
-
-    linear_method = CpuGemmLinearMethod
-
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
-
-    def get_name(self) -> str:
-        return "cpu_gemm"
-
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> UnquantizedLinearMethod | None:
-        return self.linear_method(self.lib) if isinstance(layer, Linear) else None
+            return gemm_gated(self.lib, flat, layer.gemm_weight, n // 2, False).view(*x.shape[:-1], n)
+        return gemm(self.lib, x, layer.gemm_weight, n, bias)

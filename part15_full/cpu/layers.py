@@ -10,8 +10,8 @@ graph fuses what is left); torch.compile here did not pay on a CPU (compilation.
 in csrc/fused_ops_cpu.c is one pass over the rows.
 
 How. The shared model builds these layers through its LayerFactory (`rms_norm`, `rotary_embedding`,
-`silu_and_mul`); `CpuKernelLayers` wraps the part's factory and returns subclasses whose forward
-calls the kernel when the tensors are fp32 or bf16 on the CPU, and the torch forward otherwise
+`silu_and_mul`); `CpuLayers` wraps the part's factory (and gives its linear layers the method that
+picks a CPU GEMM, gemm.py) and returns subclasses whose forward calls the kernel when the tensors are fp32 or bf16 on the CPU, and the torch forward otherwise
 (another dtype or device, or while torch.compile traces). The rotary kernel rotates q and k in
 place, as vLLM's op does: they are views into the fused QKV projection's fresh output. bf16 is
 computed in fp32 and rounded once where it is stored (the torch layers round after every op).
@@ -26,59 +26,36 @@ in place), RotaryEmbedding in vllm/model_executor/layers/rotary_embedding/base.p
 activation.cpp."""
 from __future__ import annotations
 
-import ctypes
-import logging
-import os
-from functools import lru_cache
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from shared.config import ModelConfig
-from shared.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from shared.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, UnquantizedLinearMethod
 from shared.model import LayerFactory, WrappedLayers
 
-from .cpu_build import CSRC, build
-
-SOURCE = CSRC / "fused_ops_cpu.c"
-ENABLED = os.environ.get("VLLM_COURSE_CPU_FUSED_OPS", "1") != "0"
-logger = logging.getLogger(__name__)
+from .. import envs
+from .gemm import CpuUnquantizedLinearMethod
+from .kernels import load
 
 
 # The element types the kernels take, each by the suffix of its C functions (fused_ops_cpu.c).
 KERNEL_DTYPES = {torch.float32: "", torch.bfloat16: "_bf16"}
 
 
-@lru_cache(maxsize=None)
-def load_ops():
-    """The kernels by element type (bind()), or None (off, no compiler, build failed)."""
-    if not ENABLED:
+def load_ops() -> dict[torch.dtype, SimpleNamespace] | None:
+    """The kernels by element type, {dtype: its four kernels}, or None (off, no compiler, build failed)."""
+    if not envs.VLLM_COURSE_CPU_FUSED_OPS:
         return None
-    path = build(SOURCE)
-    if path is None:
-        logger.warning("fused CPU ops: no kernels, using the torch layers")
-        return None
-    return bind(path)
+    lib = load("fused_ops_cpu.c")
+    return None if lib is None else by_dtype(lib)
 
 
-def bind(path: Path) -> dict[torch.dtype, SimpleNamespace]:
-    """The library's functions with their C signatures: {dtype: its four kernels}."""
-    lib = ctypes.CDLL(str(path))
-    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    signatures = {"rms_norm": ([ptr, ptr, ptr, i64, i64, f32], None),
-                  "fused_add_rms_norm": ([ptr, ptr, ptr, i64, i64, f32], None),
-                  "rotary_embedding": ([ptr, i64, ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i64], i32),
-                  "silu_and_mul": ([ptr, ptr, i64, i64], None)}
-    kernels = {}
-    for dtype, suffix in KERNEL_DTYPES.items():
-        fns = {}
-        for name, (argtypes, restype) in signatures.items():
-            fn = getattr(lib, name + suffix)
-            fn.argtypes, fn.restype = argtypes, restype
-            fns[name] = fn
-        kernels[dtype] = SimpleNamespace(**fns)
-    return kernels
+def by_dtype(lib: SimpleNamespace) -> dict[torch.dtype, SimpleNamespace]:
+    """fused_ops_cpu.c's functions, {dtype: its four kernels}."""
+    names = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+    return {dtype: SimpleNamespace(**{n: getattr(lib, n + suffix) for n in names})
+            for dtype, suffix in KERNEL_DTYPES.items()}
 
 
 # The checks below are few and cheap on purpose: at decode a layer's norm is a few microseconds of
@@ -149,11 +126,21 @@ class CpuSiluAndMul(SiluAndMul):
         return out
 
 
-class CpuKernelLayers(WrappedLayers):
-    """`base`'s layers, with the elementwise ones on the fused kernels. Built over a plain (dense or
-    tensor-parallel) factory; an MoE factory may wrap it. `ops`: the kernels by element type (load_ops())."""
+def _cpu_gemm(layer: Linear) -> Linear:
+    """An unquantized linear layer's method becomes the one that picks a CPU GEMM after loading (gemm.py);
+    a quantized layer keeps its own. The weights the method created stay as they are: the two
+    methods create the same ones."""
+    if type(layer.quant_method) is UnquantizedLinearMethod:
+        layer.quant_method = CpuUnquantizedLinearMethod()
+    return layer
 
-    def __init__(self, base: LayerFactory, ops: dict):
+
+class CpuLayers(WrappedLayers):
+    """`base`'s layers for a CPU: every unquantized linear layer on the GEMM its weight processing
+    picks (gemm.py), and, with `ops` (load_ops()), the elementwise layers on the fused kernels. Built
+    over a plain (dense or tensor-parallel) factory; an MoE factory may wrap it."""
+
+    def __init__(self, base: LayerFactory, ops: dict | None):
         super().__init__(base)
         self.ops = ops
 
@@ -161,11 +148,30 @@ class CpuKernelLayers(WrappedLayers):
     # recipe in the base, and an MoE wrapper over this one would find this method again).
     mlp = LayerFactory.mlp
 
+    def qkv_proj(self, cfg: ModelConfig, prefix: str):
+        return _cpu_gemm(self.base.qkv_proj(cfg, prefix))
+
+    def o_proj(self, cfg: ModelConfig, prefix: str):
+        return _cpu_gemm(self.base.o_proj(cfg, prefix))
+
+    def gate_up_proj(self, cfg: ModelConfig, prefix: str):
+        return _cpu_gemm(self.base.gate_up_proj(cfg, prefix))
+
+    def down_proj(self, cfg: ModelConfig, prefix: str):
+        return _cpu_gemm(self.base.down_proj(cfg, prefix))
+
+    def lm_head(self, cfg: ModelConfig, prefix: str):
+        return _cpu_gemm(self.base.lm_head(cfg, prefix))
+
     def rms_norm(self, cfg: ModelConfig) -> RMSNorm:
+        if self.ops is None:
+            return self.base.rms_norm(cfg)
         return CpuRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
 
     def rotary_embedding(self, cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        if self.ops is None:
+            return self.base.rotary_embedding(cfg, max_positions)
         return CpuRotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, self.ops)
 
     def silu_and_mul(self) -> SiluAndMul:
-        return CpuSiluAndMul(self.ops)
+        return self.base.silu_and_mul() if self.ops is None else CpuSiluAndMul(self.ops)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
+
+from .. import envs
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ TRIM_THRESHOLD = 64 << 20
 
 def tune_malloc() -> bool:
     """Apply the settings to this process (once is enough; again is harmless). True if applied."""
-    if os.environ.get("VLLM_COURSE_CPU_MALLOC", "1") == "0":
+    if not envs.VLLM_COURSE_CPU_MALLOC:
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
