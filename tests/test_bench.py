@@ -324,16 +324,16 @@ def test_scoreboard_table_orders_parts_then_vllm_and_divides_right(tmp_path):
 
 
 def test_the_readme_scoreboard_is_the_committed_run():
-    """The README's table is what `scoreboard` makes of notebooks/scoreboard.json (a measured run),
-    so it cannot drift from the numbers or be edited by hand."""
+    """The README's CPU table is what `scoreboard` makes of notebooks/scoreboard_fp32_spr.json (a
+    measured run), so it cannot drift from the numbers or be edited by hand."""
     from pathlib import Path
 
     from shared.bench.scoreboard import table
 
     root = Path(__file__).resolve().parent.parent
-    results = json.loads((root / "notebooks" / "scoreboard.json").read_text())
+    results = json.loads((root / "notebooks" / "scoreboard_fp32_spr.json").read_text())
     assert table(results) in (root / "README.md").read_text()
-    assert (root / "notebooks" / "scoreboard.png").is_file()
+    assert (root / "notebooks" / "scoreboard_fp32_spr.png").is_file()
     engines = {s["notes"].get("engine") for s in results["systems"]}
     assert {f"part{n:02d}" for n in range(4, 16)} <= {e[:6] for e in engines if e}
 
