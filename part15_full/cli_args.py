@@ -7,7 +7,7 @@ origins, how requests are named, and how it stops.
     --enable-request-id-headers      every response carries X-Request-Id
     --shutdown-timeout 30            on SIGTERM, let requests in flight finish for up to 30 s
 
-In vLLM: vllm/entrypoints/openai/cli_args.py (FrontendArgs: api_key, allowed_origins,
+In vLLM: vllm/entrypoints/common/cli_args.py (FrontendArgs: api_key, allowed_origins,
 allowed_methods, allowed_headers, allow_credentials, enable_request_id_headers) and
 vllm/engine/arg_utils.py (EngineArgs.shutdown_timeout); $VLLM_API_KEY in vllm/envs.py."""
 from __future__ import annotations

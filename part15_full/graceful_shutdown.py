@@ -16,7 +16,7 @@ Three pieces: `DrainMiddleware` counts the requests in flight and refuses new on
 can end early (the handlers then finish their responses as usual); `GracefulShutdown.begin` runs
 the drain on a thread of its own (a signal handler must return at once).
 
-In vLLM: vllm/entrypoints/launcher.py (serve_http: the SIGTERM handler), the shutdown_timeout of
+In vLLM: vllm/entrypoints/launchers/launcher.py (serve_http: the SIGTERM handler), the shutdown_timeout of
 vllm/engine/arg_utils.py, and vllm/entrypoints/serve/elastic_ep/middleware.py
 (ServiceUnavailableMiddleware: 503 while draining, /metrics exempt)."""
 from __future__ import annotations

@@ -8,9 +8,10 @@ for what parts 13 and 15 add.
   and vLLM's `structured_outputs` ({"json": ...} | {"regex": ...} | {"choice": [...]} |
   {"grammar": ...} | {"json_object": true}). Either becomes SamplingParams.structured_outputs.
 
-In vLLM: vllm/entrypoints/openai/protocol.py (CompletionRequest, ChatCompletionRequest:
-response_format, structured_outputs, kv_transfer_params), vllm/sampling_params.py
-(StructuredOutputsParams)."""
+In vLLM: vllm/entrypoints/openai/completion/protocol.py (CompletionRequest) and
+vllm/entrypoints/openai/chat_completion/protocol.py (ChatCompletionRequest), with kv_transfer_params;
+response_format and structured_outputs in vllm/entrypoints/generate/base/protocol.py;
+vllm/sampling_params.py (StructuredOutputsParams)."""
 from __future__ import annotations
 
 from typing import Any
