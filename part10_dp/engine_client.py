@@ -9,6 +9,8 @@ Every client validates a prompt into an EngineCoreRequest (`process_inputs`, a 4
 is queued), streams RequestOutput deltas for it (`generate`; a consumer that stops early aborts
 it), and says when it can no longer serve (`dead_error`: /health answers 503, requests in flight
 end with EngineDeadError). The server talks to nothing else, so it runs unchanged over any of them.
+This module is the interface only and imports none of the three, which import it; the server picks
+one at its entry point (server.py: make_engine_client).
 
 In vLLM: vllm/engine/protocol.py (EngineClient), vllm/v1/engine/async_llm.py (AsyncLLM) and
 vllm/v1/engine/core_client.py (AsyncMPClient, DPAsyncMPClient)."""
@@ -21,7 +23,6 @@ from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
-from .config import EngineConfig
 from .input_processor import InputProcessor
 from .messages import EngineCoreRequest
 
@@ -62,19 +63,3 @@ class EngineClient(ABC):
     def shutdown(self) -> None:
         """Stop serving and end every thread and process this client started."""
 
-
-def make_engine_client(config: EngineConfig) -> EngineClient:
-    """Several engine cores behind a router, one in a process of its own, or the engine in this
-    process (the fastest on a small CPU: no process hop)."""
-    if config.data_parallel_size > 1:
-        from .core_client import DPAsyncMPClient
-
-        return DPAsyncMPClient(config)
-    if config.multiprocess_engine_core:
-        from .core_client import AsyncMPClient
-
-        return AsyncMPClient(config)
-    from .async_llm import AsyncLLM
-    from .engine import LLMEngine
-
-    return AsyncLLM(LLMEngine(config))

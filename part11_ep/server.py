@@ -28,7 +28,7 @@ The app: `build_app` makes the FastAPI object and its state (the engine client, 
 builder); the route handlers below read that state from the request; `streaming.py` holds the
 helpers that run a request to the end or interleave several into one stream. The handlers talk to
 an EngineClient only (engine_client.py), so the same app serves an engine in this process, one in
-a process of its own, or several behind a router."""
+a process of its own, or several behind a router; `make_engine_client` picks which."""
 from __future__ import annotations
 
 import argparse
@@ -46,9 +46,11 @@ from shared.protocol import ChatCompletionRequest, ChatCompletionStreamResponse,
 from shared.serving import OpenAIServing, error_response, install_error_handlers, new_request_id
 from shared.weights import served_model_name
 
+from .async_llm import AsyncLLM
 from .config import EngineConfig
-from .core_client import run_headless_engines
-from .engine_client import EngineClient, EngineDeadError, make_engine_client
+from .core_client import AsyncMPClient, DPAsyncMPClient, run_headless_engines
+from .engine import LLMEngine
+from .engine_client import EngineClient, EngineDeadError
 from .multiproc_executor import WorkerDied, run_headless
 from .parallel_state import ParallelConfig
 from .streaming import interleave, run_to_end, stream_error
@@ -156,6 +158,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "cores (with --data-parallel-size > 1) or this node's tensor-parallel ranks")
     EngineConfig.add_cli_args(p)
     return p.parse_args(argv)
+
+
+def make_engine_client(config: EngineConfig) -> EngineClient:
+    """The engine client the app runs on, chosen here at the entry point (engine_client.py is the
+    interface alone): several engine cores behind a router, one in a process of its own, or the
+    engine in this process (the fastest on a small CPU: no process hop). vLLM's API server builds
+    its client the same way before the app (build_async_engine_client)."""
+    if config.data_parallel_size > 1:
+        return DPAsyncMPClient(config)
+    if config.multiprocess_engine_core:
+        return AsyncMPClient(config)
+    return AsyncLLM(LLMEngine(config))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,7 @@ The app: `build_app` makes the FastAPI object and its state (the engine client, 
 builder); the route handlers below read that state from the request; `streaming.py` holds the
 helpers that run a request to the end or interleave several into one stream. The handlers talk to
 an EngineClient only (engine_client.py), so the same app serves an engine in this process, one in
-a process of its own, or several behind a router.
+a process of its own, or several behind a router; `make_engine_client` picks which.
 
 A production server around them (part 15): /tokenize, /detokenize (serving_tokenization.py) and
 /version; API keys, CORS and X-Request-Id (middleware.py, flags in cli_args.py); a graceful
@@ -59,9 +59,11 @@ from shared.serving import OpenAIServing, error_response, install_error_handlers
 from shared.weights import served_model_name
 
 from .cli_args import FrontendArgs
+from .async_llm import AsyncLLM
 from .config import EngineConfig
-from .core_client import run_headless_engines
-from .engine_client import EngineClient, EngineDeadError, make_engine_client
+from .core_client import AsyncMPClient, DPAsyncMPClient, run_headless_engines
+from .engine import LLMEngine
+from .engine_client import EngineClient, EngineDeadError
 from .graceful_shutdown import AbortableClient, GracefulShutdown
 from .kv_connector import KVLoadFailed
 from .metrics import attach_stat_logger, mount_metrics
@@ -216,6 +218,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     FrontendArgs.add_cli_args(p)
     EngineConfig.add_cli_args(p)
     return p.parse_args(argv)
+
+
+def make_engine_client(config: EngineConfig) -> EngineClient:
+    """The engine client the app runs on, chosen here at the entry point (engine_client.py is the
+    interface alone): several engine cores behind a router, one in a process of its own, or the
+    engine in this process (the fastest on a small CPU: no process hop). vLLM's API server builds
+    its client the same way before the app (build_async_engine_client)."""
+    if config.data_parallel_size > 1:
+        return DPAsyncMPClient(config)
+    if config.multiprocess_engine_core:
+        return AsyncMPClient(config)
+    return AsyncLLM(LLMEngine(config))
 
 
 def main(argv: list[str] | None = None) -> None:
