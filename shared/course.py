@@ -29,9 +29,11 @@ from the stage, and their lessons are held to the code as the part's lesson is.
 
 `check` also holds each lesson (a part's README.md and its appendices') to its notebook: every
 figure its measured sections quote ("measured" in the heading, or "Results" first) must be in the
-part's notebook's saved outputs or in a JSON file the lesson links (see `lesson_figures`). And
+part's notebook's saved outputs or in a JSON file the lesson links (see `lesson_figures`), and
+every figure SOLUTIONS.md quotes under a part in that part's notebook or one it names. And
 it holds the docs (lessons, README.md, SOLUTIONS.md, deploy/README.md, the notebooks' markdown) to
-the present tense: no line narrates how the project was made (see `narration`).
+the present tense: no line narrates how the project was made (see `narration`); and every vLLM
+path they name to a file of vLLM v0.33.0 (see `vllm_path_problems`).
 
 Build-it-yourself mode. A stage's `[[exercise.functions]]` tables name the functions that carry
 its technique ("file.py:function" or "file.py:Class.method"), the lesson section that explains
@@ -167,6 +169,7 @@ def check(root: Path = ROOT) -> list[str]:
         problems += build_it_yourself_problems(s, root)
         problems += figure_problems(s, root)
         problems += excerpt_problems(s, root)
+    problems += solutions_figure_problems(root)
     problems += vllm_path_problems(root)
     problems += narration_problems(root)
     return problems
@@ -581,17 +584,24 @@ def measured_sections(markdown: str) -> str:
     return "\n".join(out)
 
 
-def lesson_figures(markdown_section: str) -> list[Figure]:
+_ESTIMATE_BEFORE = re.compile(r"(?:\b(?:about|around|roughly|nearly|approximately)|[≈~=])\s*$", re.I)
+
+
+def lesson_figures(markdown_section: str, estimates: bool = True) -> list[Figure]:
     """The figures a piece of markdown quotes: numbers with a decimal point (1.25, 2.6e-5) or a
     unit, x or % right after them (57 ms, 3x, 94.6%, 363 tokens). Not figures: code (fenced or
     inline, e.g. flags), link targets, version numbers (0.33.0, torch 2.13), numbers inside words
-    (fp32, part07), bare integers (years, part numbers, table sizes)."""
+    (fp32, part07), bare integers (years, part numbers, table sizes). Without `estimates`, a
+    number worked out rather than quoted is left out too: one right after "about", "around",
+    "roughly", "nearly", "approximately", "≈", "~" or "=" (SOLUTIONS.md derives such numbers)."""
     text = _strip_code(markdown_section)
     figures = []
     for m in _NUMBER.finditer(text):
         token = m.group(0)
         mantissa = re.split(r"[eE]", token)[0]
         if mantissa.count(".") > 1 or _VERSION_OF.search(text[max(0, m.start() - 14):m.start()]):
+            continue
+        if not estimates and _ESTIMATE_BEFORE.search(text[max(0, m.start() - 16):m.start()]):
             continue
         unit = _UNIT_AFTER.match(text, m.end())
         decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
@@ -664,6 +674,63 @@ def figure_problems(stage: Stage, root: Path = ROOT) -> list[str]:
         names = ", ".join([f"notebooks/{b.name}" for b in books] + [_rel(p, root) for p in data])
         problems += [f"{rel}, measured section: {f.text!r} is not in the outputs of {names}"
                      for f in dict.fromkeys(figures) if not figure_shown(f, numbers)]
+    return problems
+
+
+class _NotebookNumbers:
+    """The numbers of notebook NN's saved outputs, read once per `check`."""
+
+    def __init__(self, root: Path):
+        self.root, self.cache = root, {}
+
+    def __call__(self, n: int) -> tuple[list[str], list[float]]:
+        import json
+
+        if n not in self.cache:
+            books = sorted((self.root / "notebooks").glob(f"{n:02d}_*.ipynb"))
+            self.cache[n] = ([f"notebooks/{b.name}" for b in books],
+                             _numbers("\n".join(notebook_output_text(json.loads(b.read_text())) for b in books)))
+        return self.cache[n]
+
+
+def quoted_figure_problems(where: str, text: str, part: int, notebooks: _NotebookNumbers) -> list[str]:
+    """The figures of a part's exercise solutions (`text`, numbered items "1. ...") that no
+    notebook shows: each must be in the outputs of notebook `part` or of a notebook its item names
+    ("notebook 01 measured ..."). Numbers an item works out ("about 61 s", "= 499.5 MiB") are not
+    quotes (see `lesson_figures`)."""
+    problems = []
+    for item in re.split(r"\n(?=\d+\. )", text):
+        figures = lesson_figures(item, estimates=False)
+        if not figures:
+            continue
+        named = re.findall(r"\b[Nn]otebooks? (\d\d)\b|notebooks/(\d\d)_", item)
+        parts = [part] + sorted({int(a or b) for a, b in named} - {part})
+        names = [name for n in parts for name in notebooks(n)[0]]
+        numbers = [x for n in parts for x in notebooks(n)[1]]
+        at = where + (f", exercise {item.split('.')[0]}" if re.match(r"\d+\. ", item) else "")
+        if not names:
+            problems.append(f"{at} quotes measurements but there is no notebooks/{part:02d}_*.ipynb")
+            continue
+        problems += [f"{at}: {f.text!r} is not in the outputs of {', '.join(names)}"
+                     for f in dict.fromkeys(figures) if not figure_shown(f, numbers)]
+    return problems
+
+
+def solutions_figure_problems(root: Path = ROOT) -> list[str]:
+    """The figures SOLUTIONS.md quotes under "## Part NN" that no notebook shows (see
+    `quoted_figure_problems`)."""
+    notebooks = _NotebookNumbers(root)
+    problems = []
+    path = root / "SOLUTIONS.md"
+    if path.is_file():
+        markdown = path.read_text()
+        heads, lines = _headings(markdown), markdown.splitlines()
+        for i, (level, title, line) in enumerate(heads):
+            m = re.match(r"Part (\d+)\b", title)
+            if level == 2 and m:
+                end = next((ln for lv, _, ln in heads[i + 1:] if lv <= level), len(lines))
+                problems += quoted_figure_problems(f"SOLUTIONS.md, Part {int(m.group(1)):02d}",
+                                                   "\n".join(lines[line + 1:end]), int(m.group(1)), notebooks)
     return problems
 
 

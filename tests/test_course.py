@@ -507,3 +507,32 @@ def test_check_fails_on_a_missing_or_partial_build_it_yourself_section(tmp_path)
                for p in problems), problems
     assert "part04_continuous_batching/README.md, Build it yourself: links " \
            "#schedulerpy--schedulerconfig-scheduleroutput-scheduler, which no heading has" in problems, problems
+
+
+# ---- SOLUTIONS.md quotes what the notebooks show ---------------------------------------------------
+
+def test_check_fails_on_a_figure_in_solutions_that_no_notebook_shows(tmp_path):
+    copy_parts(tmp_path, "part01_simple_server", "part02_streaming")
+    solutions = tmp_path / "SOLUTIONS.md"
+    good = ("# Solutions\n\n## Part 01 — a simple server\n\n"
+            "1. **Predict.** One 32-token prefill (95.2 ms in the notebook): about 61 s uncached, "
+            "`3996 × 128 KiB` = 499.5 MiB, around 1e-6.\n"
+            "2. **Compare.** Notebook 02's stream took 4.06 s.\n\n## Part 02 — streaming\n\n1. Nothing measured.\n")
+    solutions.write_text(good)
+    assert course.solutions_figure_problems(tmp_path) == []
+    solutions.write_text(good.replace("95.2 ms", "95.3 ms").replace("Notebook 02's stream", "The stream"))
+    problems = course.solutions_figure_problems(tmp_path)
+    assert problems == [
+        "SOLUTIONS.md, Part 01, exercise 1: '95.3 ms' is not in the outputs of notebooks/01_simple_server.ipynb",
+        "SOLUTIONS.md, Part 01, exercise 2: '4.06 s' is not in the outputs of notebooks/01_simple_server.ipynb"]
+    assert set(problems) <= set(course.check(tmp_path))
+    solutions.write_text(good.replace("## Part 02 — streaming\n\n1. Nothing measured.",
+                                      "## Part 03 — paged attention\n\n1. It took 1.5 s."))
+    assert course.solutions_figure_problems(tmp_path) == [
+        "SOLUTIONS.md, Part 03, exercise 1 quotes measurements but there is no notebooks/03_*.ipynb"]
+
+
+def test_estimates_are_not_quotes():
+    text = "about 61 s, ≈ 94%, `a × b` = 499.5 MiB, around 1e-6, roughly 2x; measured 40.1 ms and 9.5x"
+    assert [f.text for f in course.lesson_figures(text, estimates=False)] == ["40.1 ms", "9.5x"]
+    assert len(course.lesson_figures(text)) == 7
