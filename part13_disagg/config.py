@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import json
+import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
 
 
 @dataclass
@@ -131,3 +134,50 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# --kv-transfer-config (part 13): a KV connector and its role, vLLM's JSON and field names. It is
+# configuration, so it lives here and not beside the connectors: reading a command line imports no
+# engine code (vLLM: vllm/config/kv_transfer.py).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass
+class KVTransferConfig:
+    """`--kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'`."""
+    kv_connector: str
+    kv_role: str = "kv_both"  # kv_producer: only prefills for others; kv_consumer: only fetches
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_ip: str = "127.0.0.1"  # where this engine's workers serve their blocks (NixlConnector)
+    kv_port: int = 0  # the first worker's port (rank r: kv_port + r); 0: free ports
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"  # a load that fails: "fail" the request, or "recompute" it
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
+
+    @classmethod
+    def from_cli(cls, value: str | dict | None) -> KVTransferConfig | None:
+        """The flag's JSON (or an already parsed dict); unknown fields are refused, not ignored."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        data = json.loads(value) if isinstance(value, str) else dict(value)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if "kv_connector" not in data:
+            raise ValueError("kv_transfer_config needs kv_connector")
+        return cls(**data)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")

@@ -34,8 +34,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_pool import KVCacheBlock
+from .config import KVTransferConfig
 from .kv_cache_manager import KVCacheManager
-from .kv_connector import KVConnectorBase, KVConnectorOutput, KVConnectorRole, KVTransferConfig
+from .kv_connector import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from .offload_manager import CPUOffloadingManager
 from .offload_worker import OffloadMetadata, TransferJob
 from .request import Sequence

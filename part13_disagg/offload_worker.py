@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .kv_connector import KVConnectorBase, KVConnectorOutput, KVConnectorRole, KVTransferConfig
+from .config import KVTransferConfig
+from .kv_connector import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 
 
 @dataclass

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .config import KVTransferConfig
 from .kv_cache_utils import BlockHasher, make_none_hash
-from .kv_connector import KVConnectorBase, KVConnectorRole, KVTransferConfig
+from .kv_connector import KVConnectorBase, KVConnectorRole
 
 
 @dataclass

@@ -20,25 +20,24 @@ The scheduler's side of the contract: a sequence whose external tokens arrive as
 the blocks of a finished sequence whose connector asked to free them later are freed when a step
 reports it in `finished_sending`; a load that failed is handled by `kv_load_failure_policy`.
 
-Three connectors (kv_connectors.py, example_connector.py, nixl_connector.py) and the configuration
-(`--kv-transfer-config`, vLLM's JSON and field names).
+Three connectors implement it (offload_scheduler.py with offload_worker.py, example_connector.py,
+nixl_connector.py). They import this module and it imports none of them: kv_connector_factory.py
+builds one by its name (`make_connector`, imported here for the engine and the workers). The
+configuration, `--kv-transfer-config` with vLLM's JSON and field names, is config.py's KVTransferConfig.
 
 In vLLM: vllm/distributed/kv_transfer/kv_connector/v1/base.py (KVConnectorBase_V1, KVConnectorRole,
-KVConnectorMetadata), vllm/config/kv_transfer.py (KVTransferConfig), kv_connector/factory.py
-(KVConnectorFactory), vllm/v1/worker/kv_connector_model_runner_mixin.py (the worker's calls around a
+KVConnectorMetadata), vllm/v1/worker/kv_connector_model_runner_mixin.py (the worker's calls around a
 step) and vllm/model_executor/layers/attention/kv_transfer_utils.py (the per-layer calls)."""
 from __future__ import annotations
 
 import enum
-import json
-import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-LOAD_FAILURE_POLICIES = ("fail", "recompute")
+from .config import KVTransferConfig
+from .kv_connector_factory import make_connector
 
 
 class KVLoadFailed(RuntimeError):
@@ -48,46 +47,6 @@ class KVLoadFailed(RuntimeError):
 class KVConnectorRole(enum.Enum):
     SCHEDULER = 0
     WORKER = 1
-
-
-@dataclass
-class KVTransferConfig:
-    """`--kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'`."""
-    kv_connector: str
-    kv_role: str = "kv_both"  # kv_producer: only prefills for others; kv_consumer: only fetches
-    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    kv_ip: str = "127.0.0.1"  # where this engine's workers serve their blocks (NixlConnector)
-    kv_port: int = 0  # the first worker's port (rank r: kv_port + r); 0: free ports
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    kv_load_failure_policy: str = "fail"  # a load that fails: "fail" the request, or "recompute" it
-
-    def __post_init__(self) -> None:
-        if self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
-        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
-
-    @classmethod
-    def from_cli(cls, value: str | dict | None) -> KVTransferConfig | None:
-        """The flag's JSON (or an already parsed dict); unknown fields are refused, not ignored."""
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        data = json.loads(value) if isinstance(value, str) else dict(value)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown field(s) {unknown}; known: {sorted(known)}")
-        if "kv_connector" not in data:
-            raise ValueError("kv_transfer_config needs kv_connector")
-        return cls(**data)
-
-    @property
-    def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
 
 
 @dataclass
@@ -184,20 +143,3 @@ def resolve_kv_transfer_config(config) -> KVTransferConfig | None:
             "eviction_policy": config.kv_offloading_eviction_policy})
     return kv
 
-
-def make_connector(config: KVTransferConfig, role: KVConnectorRole, block_size: int, **context) -> KVConnectorBase:
-    """vLLM's KVConnectorFactory, by name. `context`: what the side that builds it knows (the
-    scheduler: kv_cache_manager, worker_info; a worker: device, rank, tp_size, bytes_per_block)."""
-    from .example_connector import ExampleConnector
-    from .nixl_connector import NixlConnector
-    from .offload_scheduler import OffloadScheduler
-    from .offload_worker import OffloadWorker
-
-    registry = {"OffloadingConnector": (OffloadScheduler, OffloadWorker), "ExampleConnector": ExampleConnector,
-                "SharedStorageConnector": ExampleConnector,  # its name before vLLM PR #30201
-                "NixlConnector": NixlConnector}
-    if config.kv_connector not in registry:
-        raise ValueError(f"unknown kv_connector {config.kv_connector!r}; known: {', '.join(sorted(registry))}")
-    entry = registry[config.kv_connector]
-    cls = entry[role.value] if isinstance(entry, tuple) else entry  # a scheduler half and a worker half
-    return cls(config, role, block_size, **context)

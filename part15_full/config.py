@@ -14,7 +14,29 @@ combinations; vLLM logs the resolved config as "Initializing a V1 LLM engine ...
 from __future__ import annotations
 
 import argparse
+import json
+import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+# The choices that the engine's modules implement, named here (engine.py, router.py, quantization.py,
+# structured_output/manager.py import them from here): checking a command line imports no engine code,
+# and the configuration depends on nothing of the engine.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware")
+QUANTIZATION_METHODS = ("int8", "int4", "gptq")  # gptq: read from the checkpoint, never applied online
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "course")
+# Names whose classes sit in registries of their own, cache_policy.CACHE_POLICIES and
+# kv_connector_factory.py (tests/test_part15_server.py holds the lists equal).
+KV_OFFLOADING_EVICTION_POLICIES = ("lru", "arc")
+KV_CONNECTORS = ("OffloadingConnector", "ExampleConnector", "SharedStorageConnector", "NixlConnector")
+
+# The default token budget per step with chunked prefill. Smaller chunks bound the pause a long
+# prompt imposes on running streams; larger ones pay the per-step cost (a full read of the
+# weights) fewer times. On the course's 2-core CPU a step costs about 54 ms + 2.4 ms per token
+# (notebook 06): 1024 tokens keeps a 3k-token prompt's stall under half of an unchunked one while
+# costing a burst of 32 prompts about four extra steps.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 
 
 @dataclass
@@ -172,8 +194,6 @@ class EngineConfig:
         max_model_len and num_blocks are known once the model is loaded (None: not shown)."""
         from shared.device import resolve_device, resolve_dtype
 
-        from .engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
-
         device = resolve_device(self.device)
         dtype = str(resolve_dtype(self.dtype, device)).removeprefix("torch.")
         on = {True: "on", False: "off"}
@@ -189,8 +209,6 @@ class EngineConfig:
         if self.kv_offloading_size:
             kv_transfer = f"host tier {self.kv_offloading_size:g} GiB ({self.kv_offloading_eviction_policy})"
         elif self.kv_transfer_config:
-            from .kv_connector import KVTransferConfig
-
             kv = KVTransferConfig.from_cli(self.kv_transfer_config)
             kv_transfer = f"{kv.kv_connector} ({kv.kv_role})"
         backend = self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
@@ -219,8 +237,51 @@ class EngineConfig:
         return "effective configuration:\n" + "\n".join(f"  {k:<15} {v}" for k, v in lines)
 
 
-# kv_connector.make_connector's registry (there, a connector is only looked up after the model load).
-KV_CONNECTORS = ("OffloadingConnector", "ExampleConnector", "SharedStorageConnector", "NixlConnector")
+# --kv-transfer-config (part 13): a KV connector and its role, vLLM's JSON and field names. It is
+# configuration, so it lives here and not beside the connectors: reading a command line imports no
+# engine code (vLLM: vllm/config/kv_transfer.py).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass
+class KVTransferConfig:
+    """`--kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'`."""
+    kv_connector: str
+    kv_role: str = "kv_both"  # kv_producer: only prefills for others; kv_consumer: only fetches
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_ip: str = "127.0.0.1"  # where this engine's workers serve their blocks (NixlConnector)
+    kv_port: int = 0  # the first worker's port (rank r: kv_port + r); 0: free ports
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"  # a load that fails: "fail" the request, or "recompute" it
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
+
+    @classmethod
+    def from_cli(cls, value: str | dict | None) -> KVTransferConfig | None:
+        """The flag's JSON (or an already parsed dict); unknown fields are refused, not ignored."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        data = json.loads(value) if isinstance(value, str) else dict(value)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if "kv_connector" not in data:
+            raise ValueError("kv_transfer_config needs kv_connector")
+        return cls(**data)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
 
 
 def _problems(c: EngineConfig, headless: bool):
@@ -228,13 +289,6 @@ def _problems(c: EngineConfig, headless: bool):
     import torch
 
     from shared.device import resolve_dtype
-
-    from .cache_policy import CACHE_POLICIES
-    from .engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, SPECULATIVE_METHODS
-    from .kv_connector import KVTransferConfig
-    from .quantization import QUANTIZATION_METHODS
-    from .router import ROUTING_POLICIES
-    from .structured_output.manager import BACKENDS
 
     def one_of(flag: str, value, choices) -> str | None:
         names = ", ".join("unset" if x is None else str(x) for x in choices)
@@ -244,10 +298,11 @@ def _problems(c: EngineConfig, headless: bool):
               one_of("--quantization", c.quantization, (None, *QUANTIZATION_METHODS)),
               one_of("--preemption-mode", c.preemption_mode, ("recompute", "swap")),
               one_of("--speculative-method", c.speculative_method, (None, *SPECULATIVE_METHODS)),
-              one_of("--kv-offloading-eviction-policy", c.kv_offloading_eviction_policy, tuple(CACHE_POLICIES)),
+              one_of("--kv-offloading-eviction-policy", c.kv_offloading_eviction_policy,
+                     KV_OFFLOADING_EVICTION_POLICIES),
               one_of("--distributed-executor-backend", c.distributed_executor_backend, (None, "uni", "mp")),
               one_of("--routing-policy", c.routing_policy, ROUTING_POLICIES),
-              one_of("--structured-outputs-backend", c.structured_outputs_backend, BACKENDS)]
+              one_of("--structured-outputs-backend", c.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)]
     yield from (p for p in checks if p)
     if c.device not in (None, "auto") and c.device.split(":")[0] not in ("cpu", "cuda"):
         yield f"--device must be cpu or cuda, got {c.device!r}"

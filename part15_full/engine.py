@@ -41,7 +41,7 @@ from shared.output_processor import CompletionState
 from shared.sampler import SamplerOutput, SamplingRow, make_generators
 from shared.tokenizer import Tokenizer
 
-from .config import EngineConfig
+from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SPECULATIVE_METHODS, EngineConfig
 from .draft_model import DraftSlots
 from .executor import Executor, make_executor
 from .input_processor import InputProcessor
@@ -55,15 +55,6 @@ from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_c
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .spec_decode_metrics import SpecDecodingStats
 from .structured_output.manager import StructuredOutputManager
-
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-
-# The default token budget per step with chunked prefill. Smaller chunks bound the pause a long
-# prompt imposes on running streams; larger ones pay the per-step cost (a full read of the
-# weights) fewer times. On the course's 2-core CPU a step costs about 54 ms + 2.4 ms per token
-# (notebook 06): 1024 tokens keeps a 3k-token prompt's stall under half of an unchunked one while
-# costing a burst of 32 prompts about four extra steps.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 
 
 class LLMEngine:

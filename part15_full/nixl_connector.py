@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from .kv_connector import KVConnectorBase, KVConnectorOutput, KVConnectorRole, KVTransferConfig
+from .config import KVTransferConfig
+from .kv_connector import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 
 DEFAULT_EXPIRY_S = 120.0  # blocks of a prefill nobody reads are freed after this (vLLM: a lease)
 DEFAULT_TIMEOUT_S = 30.0  # a read that gets no answer for this long fails

@@ -34,11 +34,11 @@ from .fused_moe import FusedMoE, FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from shared.config import ModelConfig
 from shared.layers import LMHead, Linear, LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
 
+from .config import QUANTIZATION_METHODS
 from .gptq import GPTQConfig
 from .quant_kernels import apply_wna16, use_quantized_weight
 from .quant_utils import dequantize, pack_int4, quantize_symmetric, unpack_int4
 
-QUANTIZATION_METHODS = ("int8", "int4", "gptq")  # gptq: read from the checkpoint, never applied online
 DEFAULT_GROUP_SIZE = 128
 _ROUTERS = (".mlp.gate", ".shared_expert_gate")  # MoE routing layers stay in the model's dtype
 

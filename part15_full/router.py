@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .config import ROUTING_POLICIES
+
 BlockHash = bytes
 
 
@@ -153,9 +155,6 @@ class CacheAwareRouter(Router):
     def forget(self, engine: int) -> None:
         super().forget(engine)
         self.blocks[engine].clear()
-
-
-ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
 
 def make_router(policy: str, num_engines: int) -> Router:

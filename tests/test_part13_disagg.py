@@ -355,7 +355,7 @@ def test_the_launcher_stops_when_a_server_fails_to_start(tmp_path):
 
 
 def test_bad_kv_transfer_configs_are_refused():
-    from part13_disagg.kv_connector import KVTransferConfig
+    from part13_disagg.config import KVTransferConfig
 
     with pytest.raises(ValueError, match="unknown field"):
         KVTransferConfig.from_cli('{"kv_connector": "NixlConnector", "kv_rol": "kv_both"}')
@@ -365,3 +365,26 @@ def test_bad_kv_transfer_configs_are_refused():
         KVTransferConfig.from_cli({"kv_connector": "NixlConnector", "kv_load_failure_policy": "retry"})
     with pytest.raises(ValueError, match="unknown kv_connector"):
         in_process({"kv_connector": "MooncakeConnector"})
+
+
+def test_the_factory_imports_a_connector_only_when_one_is_built(tmp_path, monkeypatch):
+    """kv_connector_factory.py registers a module and a class by name and imports the module when a
+    connector of that name is built, not before; a connector of one's own registers the same way."""
+    import sys
+
+    from part13_disagg.config import KVTransferConfig
+    from part13_disagg.kv_connector import KVConnectorRole
+    from part13_disagg.kv_connector_factory import KVConnectorFactory, make_connector
+
+    (tmp_path / "course_test_connector.py").write_text(
+        "from part13_disagg.kv_connector import KVConnectorBase\n\n\nclass MyConnector(KVConnectorBase):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    KVConnectorFactory.register_connector("MyConnector", "course_test_connector", "MyConnector")
+    assert "course_test_connector" not in sys.modules
+    for role in KVConnectorRole:
+        connector = make_connector(KVTransferConfig("MyConnector"), role, 16)
+        assert type(connector).__name__ == "MyConnector" and connector.role is role
+    monkeypatch.delitem(sys.modules, "course_test_connector")
+    with pytest.raises(ValueError, match="already registered"):
+        KVConnectorFactory.register_connector("ExampleConnector", ".example_connector", "ExampleConnector")

@@ -284,6 +284,17 @@ def test_summary_shows_what_the_defaults_resolved_to():
     assert "host tier 2 GiB (arc)" in EngineConfig(kv_offloading_size=2, kv_offloading_eviction_policy="arc").summary()
 
 
+def test_the_configurations_names_are_those_of_the_engines_registries():
+    """config.py names the choices it checks without importing the engine; where the engine maps
+    the names to classes of its own, the two lists must not drift apart."""
+    from part15_full.cache_policy import CACHE_POLICIES
+    from part15_full.config import KV_CONNECTORS, KV_OFFLOADING_EVICTION_POLICIES
+    from part15_full.kv_connector_factory import KVConnectorFactory
+
+    assert sorted(KV_OFFLOADING_EVICTION_POLICIES) == sorted(CACHE_POLICIES)
+    assert sorted(KV_CONNECTORS) == KVConnectorFactory.names()
+
+
 # ---- graceful shutdown -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -36,10 +36,10 @@ import torch
 from shared.errors import InvalidRequestError
 from shared.tokenizer import Tokenizer
 
+from ..config import STRUCTURED_OUTPUTS_BACKENDS
 from .backend_types import StructuredOutputBackend, StructuredOutputGrammar, StructuredOutputOptions
 from .bitmask import FULL_MASK, bitmask_width
 
-BACKENDS = ("auto", "xgrammar", "course")
 COURSE_OPTIONS = (StructuredOutputOptions.REGEX, StructuredOutputOptions.CHOICE)
 
 
@@ -70,8 +70,9 @@ class GrammarOutput:
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]):
-        if backend not in BACKENDS:
-            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                             f"got {backend!r}")
         self.backend_name = "xgrammar" if backend == "auto" else backend
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
         self._backend: StructuredOutputBackend | None = None
