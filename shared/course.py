@@ -33,7 +33,9 @@ part's notebook's saved outputs or in a JSON file the lesson links (see `lesson_
 every figure SOLUTIONS.md quotes under a part in that part's notebook or one it names. And
 it holds the docs (lessons, README.md, SOLUTIONS.md, deploy/README.md, the notebooks' markdown) to
 the present tense: no line narrates how the project was made (see `narration`); and every vLLM
-path they name to a file of vLLM v0.33.0 (see `vllm_path_problems`).
+path they name to a file of vLLM v0.33.0 (see `vllm_path_problems`). A lesson's picture,
+notebooks/figures/NN_*.png, is written by notebook NN's run (`lesson_picture`), and `check` makes
+sure the committed file is what that notebook's committed outputs show.
 
 Build-it-yourself mode. A stage's `[[exercise.functions]]` tables name the functions that carry
 its technique ("file.py:function" or "file.py:Class.method"), the lesson section that explains
@@ -169,6 +171,7 @@ def check(root: Path = ROOT) -> list[str]:
         problems += build_it_yourself_problems(s, root)
         problems += figure_problems(s, root)
         problems += excerpt_problems(s, root)
+        problems += picture_problems(s, root)
     problems += solutions_figure_problems(root)
     problems += vllm_path_problems(root)
     problems += narration_problems(root)
@@ -1032,6 +1035,86 @@ def server_groups(root: Path = ROOT) -> list[list[Stage]]:
 
 
 # ------------------------------------------------------------------------------- notebooks
+
+FIGURES = "notebooks/figures"  # each lesson's key picture, notebooks/figures/NN_*.png, written by notebook NN
+
+
+def lesson_picture(fig, name: str, root: Path = ROOT):
+    """Save a notebook's key plot as the picture its lesson embeds (notebooks/figures/`name`, e.g.
+    "03_kv_memory.png") and return it as an IPython image read back from that file, for the cell to
+    display: so the cell's saved output is the file's bytes, which `check` compares. The figure is
+    closed. In quick mode (COURSE_QUICK=1) the file goes to a temporary folder instead: a committed
+    picture comes from a full run."""
+    import matplotlib.pyplot as plt
+    from IPython.display import Image
+
+    quick = os.environ.get(QUICK_ENV) == "1"
+    folder = Path(tempfile.mkdtemp(prefix="course-figures-")) if quick else root / FIGURES
+    folder.mkdir(parents=True, exist_ok=True)
+    fig.savefig(folder / name, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return Image(filename=str(folder / name))
+
+
+def _png_outputs(cell) -> list[bytes]:
+    import base64
+
+    return [base64.b64decode("".join(o["data"]["image/png"])) for o in cell.get("outputs", [])
+            if "image/png" in o.get("data", {})]
+
+
+def picture_problems(stage: Stage, root: Path = ROOT) -> list[str]:
+    """The pictures a lesson embeds (`![caption](path.png)`) that are missing, or, under
+    notebooks/figures/, not written by the part's notebook's committed run: the file must be named
+    for the part (NN_*.png), and a code cell of notebook NN must name it and show, as its saved
+    image output, exactly the file's bytes (see `lesson_picture`)."""
+    import json
+
+    problems = []
+    figures = (root / FIGURES).resolve()
+    for lesson in stage.lessons():
+        rel = lesson.relative_to(root).as_posix()
+        for caption, target in re.findall(r"!\[([^\]]*)\]\(([^)\s]+\.png)\)", _strip_fences(lesson.read_text())):
+            path = (lesson.parent / target).resolve()
+            shown = _rel(path, root)
+            if not path.is_file():
+                problems.append(f"{rel} embeds {shown}, which does not exist")
+                continue
+            if path.parent != figures:
+                continue
+            if not caption.strip():
+                problems.append(f"{rel} embeds {shown} without a caption")
+            if not path.name.startswith(f"{stage.number:02d}_"):
+                problems.append(f"{rel} embeds {shown}: a lesson's picture is its own notebook's, "
+                                f"{FIGURES}/{stage.number:02d}_*.png")
+                continue
+            books = sorted((root / "notebooks").glob(f"{stage.number:02d}_*.ipynb"))
+            cells = [c for b in books for c in json.loads(b.read_text())["cells"]
+                     if c["cell_type"] == "code" and path.name in "".join(c["source"])]
+            data = path.read_bytes()
+            if not any(data in _png_outputs(c) for c in cells):
+                problems.append(f"{rel} embeds {shown}, which is not the picture notebook "
+                                f"{stage.number:02d}'s committed run shows (a cell that names it and displays "
+                                f"the file; `python -m shared.course notebooks {stage.number:02d}` writes both)")
+    return problems
+
+
+def _strip_fences(markdown: str) -> str:
+    return "\n".join(line for line, keep in zip(markdown.splitlines(), _outside_fences(markdown)) if keep)
+
+
+def _outside_fences(markdown: str) -> list[bool]:
+    out, fence = [], None
+    for line in markdown.splitlines():
+        stripped = line.lstrip()
+        if stripped.startswith(("```", "~~~")):
+            mark = stripped[:3]
+            fence = None if fence == mark else (fence or mark)
+            out.append(False)
+            continue
+        out.append(fence is None)
+    return out
+
 
 def notebook_paths(names: list[str] | None = None, root: Path = ROOT) -> list[Path]:
     """notebooks/*.ipynb, or those whose name starts with one of `names` ('03', '3', '03_paged')."""

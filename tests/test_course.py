@@ -5,6 +5,7 @@ passes on the finished part."""
 from __future__ import annotations
 
 import ast
+import base64
 import re
 import shutil
 
@@ -536,3 +537,55 @@ def test_estimates_are_not_quotes():
     text = "about 61 s, ≈ 94%, `a × b` = 499.5 MiB, around 1e-6, roughly 2x; measured 40.1 ms and 9.5x"
     assert [f.text for f in course.lesson_figures(text, estimates=False)] == ["40.1 ms", "9.5x"]
     assert len(course.lesson_figures(text)) == 7
+
+
+# ---- a lesson's picture is its notebook's -----------------------------------------------------------
+
+def test_a_lesson_picture_must_be_written_by_its_notebooks_committed_run(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import nbformat
+
+    copy_parts(tmp_path, "part02_streaming")
+    stage = course.find_stage("02", tmp_path)
+    lesson = stage.path / "README.md"
+    lesson.write_text(lesson.read_text() + "\n![Time to first token, blocking against async](../notebooks/"
+                      "figures/02_ttft.png)\n")
+    assert course.picture_problems(stage, tmp_path) == [
+        "part02_streaming/README.md embeds notebooks/figures/02_ttft.png, which does not exist"]
+
+    def run_cell(points):  # what the notebook's cell does: plot, save, display from the file
+        fig, ax = plt.subplots()
+        ax.plot(points)
+        return course.lesson_picture(fig, "02_ttft.png", root=tmp_path)
+
+    monkeypatch.delenv(course.QUICK_ENV, raising=False)
+    image = run_cell([1, 2, 3])
+    written = tmp_path / course.FIGURES / "02_ttft.png"
+    assert image.data == written.read_bytes() and written.read_bytes().startswith(b"\x89PNG")
+    book = tmp_path / "notebooks" / "02_streaming.ipynb"
+    nb = nbformat.read(book, as_version=4)
+    cell = nbformat.v4.new_code_cell('display(lesson_picture(fig, "02_ttft.png"))', execution_count=99)
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"image/png": base64.b64encode(image.data).decode()})]
+    nb.cells.append(cell)
+    nbformat.write(nb, book)
+    assert course.picture_problems(stage, tmp_path) == []
+    # a picture made by hand (or by another run) is not the one the notebook shows
+    run_cell([3, 2, 1])
+    problems = course.picture_problems(stage, tmp_path)
+    assert len(problems) == 1 and "which is not the picture notebook 02's committed run shows" in problems[0]
+    assert problems[0] in course.check(tmp_path)
+    # quick mode (the test suite) never touches the committed picture
+    monkeypatch.setenv(course.QUICK_ENV, "1")
+    before = written.read_bytes()
+    assert run_cell([5, 5, 5]).filename != str(written) and written.read_bytes() == before
+    # a picture named for another part, and one without a caption
+    lesson.write_text(lesson.read_text().replace("(../notebooks/figures/02_ttft.png)", "(../notebooks/figures/"
+                                                 "02_ttft.png)\n![](../notebooks/figures/03_other.png)"))
+    shutil.copy(written, tmp_path / course.FIGURES / "03_other.png")
+    assert course.picture_problems(stage, tmp_path)[1:] == [
+        "part02_streaming/README.md embeds notebooks/figures/03_other.png without a caption",
+        "part02_streaming/README.md embeds notebooks/figures/03_other.png: a lesson's picture is its own "
+        "notebook's, notebooks/figures/02_*.png"]
