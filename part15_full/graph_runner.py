@@ -27,7 +27,7 @@ import torch
 
 from shared.forward_context import set_forward_context
 
-from .paged_attention import PagedAttention
+from .paged_attention import PagedAttention, resolve_obj_by_qualname
 
 
 class GraphRunner:
@@ -56,13 +56,15 @@ class GraphRunner:
             return self.model(input_ids, positions)
 
 
+# The CPU's runner, by its qualified name: the stage imports the CPU appendix only on a CPU.
+CPU_GRAPH_RUNNER = "part15_full.cpu.graph_runner.CpuGraphRunner"
+
+
 def make_graph_runner(model: torch.nn.Module, attn: PagedAttention, device: torch.device) -> GraphRunner:
     """The runner for this device, captured: on a CPU the C-kernel one where it applies, else eager."""
     runner = None
     if device.type == "cpu":
-        from .cpu.graph_runner import CpuGraphRunner  # the CPU appendix (cpu/README.md)
-
-        runner = CpuGraphRunner.build(model, attn)
+        runner = resolve_obj_by_qualname(CPU_GRAPH_RUNNER).build(model, attn)
     runner = runner or GraphRunner(model, attn)
     runner.capture()
     return runner

@@ -24,6 +24,7 @@ attention for every layer, with whatever it derives from the metadata worked out
 runner calls that, and `forward` (the modules' call) goes through it too."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -135,21 +136,21 @@ class PagedAttention(AttentionBackend):
     def nbytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, metadata: PagedAttentionMetadata) -> torch.Tensor:
-        """Store k, v [T, KV, D] in their slots of one layer's pool, then attend: q [T, H, D] -> [T, H, D]."""
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               metadata: PagedAttentionMetadata) -> torch.Tensor:
+        """Store k, v [T, KV, D] in their slots of the layer's pool, then attend: q [T, H, D] -> [T, H, D]."""
         raise NotImplementedError
 
     def bind_step(self, metadata: PagedAttentionMetadata):
         """The step's attention, (layer_idx, q, k, v) -> out, for every layer of the step."""
+        connector = self.kv_connector  # part 13: a connector may load or save layer by layer
+        if connector is None:
+            return lambda layer_idx, q, k, v: self.attend(layer_idx, q, k, v, metadata)
+
         def step(layer_idx, q, k, v):
-            k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-            connector = self.kv_connector  # part 13: a connector may load or save layer by layer
-            if connector is not None:
-                connector.wait_for_layer_load(layer_idx)
-            out = self.attend(q, k, v, k_cache, v_cache, metadata)
-            if connector is not None:
-                connector.save_kv_layer(layer_idx, k_cache, v_cache, metadata)
+            connector.wait_for_layer_load(layer_idx)
+            out = self.attend(layer_idx, q, k, v, metadata)
+            connector.save_kv_layer(layer_idx, self.k_cache[layer_idx], self.v_cache[layer_idx], metadata)
             return out
         return step
 
@@ -161,7 +162,8 @@ class PagedAttention(AttentionBackend):
 class TorchAttention(PagedAttention):
     """The reference: gather + SDPA (paged_attention_ref)."""
 
-    def attend(self, q, k, v, k_cache, v_cache, metadata):
+    def attend(self, layer_idx, q, k, v, metadata):
+        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
         reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
         return paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)
 
@@ -169,27 +171,37 @@ class TorchAttention(PagedAttention):
 class TritonAttention(PagedAttention):
     """The GPU's: triton_kernels.py (also runs on a CPU under TRITON_INTERPRET=1, as the tests do)."""
 
-    def attend(self, q, k, v, k_cache, v_cache, metadata):
+    def attend(self, layer_idx, q, k, v, metadata):
         # Imported on first use: importing triton is slow, and a CPU run never needs it.
         from . import triton_kernels
 
+        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
         triton_kernels.reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
         return triton_kernels.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+
+
+# The CPU's backend, by its qualified name: the stage imports the CPU appendix only on a CPU, and only
+# when it picks a backend (vLLM names its backends the same way: vllm/v1/attention/backends/registry.py).
+CPU_ATTENTION_BACKEND = "part15_full.cpu.attention.CpuAttention"
+
+
+def resolve_obj_by_qualname(qualname: str):
+    """'package.module.Name' -> the object, importing the module (vLLM: vllm/utils/import_utils.py)."""
+    module, _, name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def get_attention_backend(num_layers: int, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
                           head_dim: int, dtype: torch.dtype, device: torch.device | str,
                           use_triton: bool | None = None) -> PagedAttention:
     """The backend for this device and model, chosen once: Triton on a GPU (or when asked), on a CPU the
-    C kernel where it is built and the shapes fit it, else the torch reference."""
+    C kernel where it is built and the shapes fit it (cpu/README.md), else the torch reference."""
     device = torch.device(device)
     args = (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     if use_triton if use_triton is not None else device.type == "cuda":
         return TritonAttention(*args)
     if device.type == "cpu":
-        from .cpu.attention import CpuAttention, load_kernel  # the CPU appendix (cpu/README.md)
-
-        lib = load_kernel()
-        if lib is not None and CpuAttention.supports(num_heads, num_kv_heads, head_dim, block_size, dtype):
-            return CpuAttention(*args, lib=lib, num_heads=num_heads)
+        backend = resolve_obj_by_qualname(CPU_ATTENTION_BACKEND).create(*args, num_heads=num_heads)
+        if backend is not None:
+            return backend
     return TorchAttention(*args)

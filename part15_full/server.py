@@ -33,10 +33,11 @@ a process of its own, or several behind a router; `make_engine_client` picks whi
 A production server around them (part 15): /tokenize, /detokenize (serving_tokenization.py) and
 /version; API keys, CORS and X-Request-Id (middleware.py, flags in cli_args.py); a graceful
 shutdown on SIGTERM (graceful_shutdown.py); the configuration validated before anything starts
-and its effective values printed once the model is loaded (config.py). Deployments: deploy/.
+and its effective values printed once the model is loaded (config.py), with every switch in
+effect (envs.py). Deployments: deploy/.
 
 In vLLM: vllm/entrypoints/openai/api_server.py (build_app, init_app_state, run_server) and
-vllm/entrypoints/launcher.py (serve_http)."""
+vllm/entrypoints/launchers/launcher.py (serve_http)."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,7 @@ from shared.outputs import RequestOutput
 from shared.serving import OpenAIServing, error_response, install_error_handlers
 from shared.weights import served_model_name
 
+from . import envs
 from .cli_args import FrontendArgs
 from .async_llm import AsyncLLM
 from .config import EngineConfig
@@ -246,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             config.tensor_parallel_size, config.nnodes, config.node_rank, config.master_addr, config.master_port)))
     client = make_engine_client(config)
     print(config.summary(client.max_model_len, client.processor.num_blocks), flush=True)
+    print(envs.summary(), flush=True)  # every VLLM_COURSE_* switch in effect (envs.py)
     app = build_app(client, args.served_model_name or served_model_name(args.model), engine_thread=False,
                     frontend=FrontendArgs.from_cli_args(args))
     serve(app, args.host, args.port)

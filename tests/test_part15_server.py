@@ -365,7 +365,9 @@ def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(processes):
     assert chunks[-1]["usage"]["completion_tokens"] == 500
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert proc.wait(timeout=30) == 0
-    assert "effective configuration" in log.read_text()
+    text = log.read_text()
+    assert "effective configuration" in text
+    assert "switches:\n" in text and "VLLM_COURSE_CPU_RUNNER=True" in text  # envs.summary() at start-up
 
 
 def test_sigterm_past_the_timeout_aborts_and_the_dp_engines_exit(processes):

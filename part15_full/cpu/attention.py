@@ -140,14 +140,31 @@ class CpuAttention(PagedAttention):
     def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16) and fits(num_heads, num_kv_heads, head_dim, block_size)
 
+    @classmethod
+    def create(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype, device: torch.device, *, num_heads: int) -> CpuAttention | None:
+        """The backend, or None where the kernel is not built or the model's shapes do not fit it."""
+        lib = load_kernel()
+        if lib is None or not cls.supports(num_heads, num_kv_heads, head_dim, block_size, dtype):
+            return None
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, lib=lib,
+                   num_heads=num_heads)
+
     def plan(self, metadata: PagedAttentionMetadata) -> _Plan:
         """The step's rows as the kernel takes them (`bind_step` makes it once for every layer)."""
         tile_rows = max(1, self.lanes // (self.num_heads // self.k_cache.shape[3]))
         return _plan(metadata, self.block_size, self.k_cache.dtype, tile_rows, self.short_run)
 
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               metadata: PagedAttentionMetadata) -> torch.Tensor:
+        return self._cpu_step(metadata)(layer_idx, q, k, v)
+
     def bind_step(self, metadata: PagedAttentionMetadata):
-        if self.kv_connector is not None:  # the connector's per-layer hooks: the base's step
+        if self.kv_connector is not None:  # the connector's per-layer hooks around attend: the base's step
             return super().bind_step(metadata)
+        return self._cpu_step(metadata)
+
+    def _cpu_step(self, metadata: PagedAttentionMetadata) -> CpuAttentionStep:
         if self._step is None or self._step[0] is not metadata:
             self._step = (metadata, CpuAttentionStep(self, metadata))
         return self._step[1]
