@@ -245,17 +245,31 @@ def heading_anchor(title: str) -> str:
     return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
 
 
-def _headings(markdown: str) -> list[tuple[int, str, int]]:
-    """(level, title, line index) of every heading outside fenced code blocks."""
+def _outside_fences(markdown: str) -> list[bool]:
+    """For each line of a markdown text, whether it is prose: not in a fenced code block, nor a fence."""
     out, fence = [], None
-    for i, line in enumerate(markdown.splitlines()):
+    for line in markdown.splitlines():
         stripped = line.lstrip()
         if stripped.startswith(("```", "~~~")):
             mark = stripped[:3]
             fence = None if fence == mark else (fence or mark)
+            out.append(False)
             continue
+        out.append(fence is None)
+    return out
+
+
+def _blank_fences(markdown: str) -> str:
+    """Markdown with its fenced blocks blanked (lines kept, so positions keep their line numbers)."""
+    return "\n".join(line if prose else "" for line, prose in zip(markdown.splitlines(), _outside_fences(markdown)))
+
+
+def _headings(markdown: str) -> list[tuple[int, str, int]]:
+    """(level, title, line index) of every heading outside fenced code blocks."""
+    out = []
+    for i, (line, prose) in enumerate(zip(markdown.splitlines(), _outside_fences(markdown))):
         m = re.match(r"(#{1,6})\s+(.*?)\s*#*\s*$", line)
-        if fence is None and m:
+        if prose and m:
             out.append((len(m.group(1)), m.group(2), i))
     return out
 
@@ -557,16 +571,7 @@ class Figure:
 
 def _strip_code(markdown: str) -> str:
     """Markdown without fenced blocks, inline code spans and link targets."""
-    out, fence = [], None
-    for line in markdown.splitlines():
-        stripped = line.lstrip()
-        if stripped.startswith(("```", "~~~")):
-            mark = stripped[:3]
-            fence = None if fence == mark else (fence or mark)
-            continue
-        if fence is None:
-            out.append(line)
-    text = "\n".join(out)
+    text = "\n".join(line for line, prose in zip(markdown.splitlines(), _outside_fences(markdown)) if prose)
     text = re.sub(r"`[^`\n]*`", " ", text)
     return re.sub(r"\]\([^)]*\)", "]", text)
 
@@ -743,6 +748,7 @@ def _rel(path: Path, root: Path) -> str:
     except ValueError:
         return str(path)
 
+
 def code_section(markdown: str, whole: bool = False) -> str:
     """The lesson's "The code" section (its code walk), up to the next heading of its level; when
     it has none, "" (or with `whole`, the whole text: an appendix may walk its code throughout)."""
@@ -859,20 +865,6 @@ def _sentence_at(text: str, pos: int) -> str:
     return text[start:end]
 
 
-def _prose_with_code(markdown: str) -> str:
-    """Markdown with its fenced blocks blanked (lines kept, so positions keep their line numbers)."""
-    out, fence = [], None
-    for line in markdown.splitlines():
-        stripped = line.lstrip()
-        if stripped.startswith(("```", "~~~")):
-            mark = stripped[:3]
-            fence = None if fence == mark else (fence or mark)
-            out.append("")
-            continue
-        out.append("" if fence else line)
-    return "\n".join(out)
-
-
 def vllm_path_problems(root: Path = ROOT) -> list[str]:
     """vLLM paths that vLLM v0.33.0 does not have. Checked: every `vllm/...` or `csrc/...` path in
     a code span of the lessons, SOLUTIONS.md and the notebooks' markdown, or in a part's module
@@ -918,7 +910,7 @@ def vllm_path_problems(root: Path = ROOT) -> list[str]:
                                 + (f"; it has {', '.join(near[:3])}" if near else ""))
 
     for path in lesson_paths(root) + [p for p in [root / "SOLUTIONS.md"] if p.is_file()]:
-        text = _prose_with_code(path.read_text())
+        text = _blank_fences(path.read_text())
         heads = _headings(text)
         offsets = [0]
         for line in text.splitlines(keepends=True):
@@ -930,7 +922,7 @@ def vllm_path_problems(root: Path = ROOT) -> list[str]:
         for i, cell in enumerate(json.loads(book.read_text())["cells"]):
             if cell["cell_type"] == "markdown":
                 check_text(f"{book.relative_to(root).as_posix()}, markdown cell {i}, line {{line}}",
-                           _prose_with_code("".join(cell["source"])))
+                           _blank_fences("".join(cell["source"])))
     for s in stages(root):
         for f in sorted(s.path.rglob("*.py")):
             doc = "" if _SKIP_DIRS & set(f.parts) else ast.get_docstring(_parse(f), clean=False) or ""
@@ -960,16 +952,8 @@ _SOFTWARE_SESSION = re.compile(r"\b(?:python|ipython|interactive|jupyter|noteboo
 
 def prose_lines(markdown: str) -> list[tuple[int, str]]:
     """(line number from 1, text) of each line outside fenced code blocks, inline code removed."""
-    out, fence = [], None
-    for i, line in enumerate(markdown.splitlines(), 1):
-        stripped = line.lstrip()
-        if stripped.startswith(("```", "~~~")):
-            mark = stripped[:3]
-            fence = None if fence == mark else (fence or mark)
-            continue
-        if fence is None:
-            out.append((i, re.sub(r"`[^`\n]*`", " ", line)))
-    return out
+    return [(i, re.sub(r"`[^`\n]*`", " ", line))
+            for i, (line, prose) in enumerate(zip(markdown.splitlines(), _outside_fences(markdown)), 1) if prose]
 
 
 def narration(text: str) -> list[tuple[int, str]]:
@@ -1074,7 +1058,7 @@ def picture_problems(stage: Stage, root: Path = ROOT) -> list[str]:
     figures = (root / FIGURES).resolve()
     for lesson in stage.lessons():
         rel = lesson.relative_to(root).as_posix()
-        for caption, target in re.findall(r"!\[([^\]]*)\]\(([^)\s]+\.png)\)", _strip_fences(lesson.read_text())):
+        for caption, target in re.findall(r"!\[([^\]]*)\]\(([^)\s]+\.png)\)", _blank_fences(lesson.read_text())):
             path = (lesson.parent / target).resolve()
             shown = _rel(path, root)
             if not path.is_file():
@@ -1098,22 +1082,6 @@ def picture_problems(stage: Stage, root: Path = ROOT) -> list[str]:
                                 f"the file; `python -m shared.course notebooks {stage.number:02d}` writes both)")
     return problems
 
-
-def _strip_fences(markdown: str) -> str:
-    return "\n".join(line for line, keep in zip(markdown.splitlines(), _outside_fences(markdown)) if keep)
-
-
-def _outside_fences(markdown: str) -> list[bool]:
-    out, fence = [], None
-    for line in markdown.splitlines():
-        stripped = line.lstrip()
-        if stripped.startswith(("```", "~~~")):
-            mark = stripped[:3]
-            fence = None if fence == mark else (fence or mark)
-            out.append(False)
-            continue
-        out.append(fence is None)
-    return out
 
 
 def notebook_paths(names: list[str] | None = None, root: Path = ROOT) -> list[Path]:
