@@ -19,12 +19,11 @@ from typing import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from sse_starlette import EventSourceResponse
 
 from shared.outputs import RequestOutput
 from shared.protocol import (ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
                              CompletionStreamResponse)
-from shared.serving import OpenAIServing, install_error_handlers, new_request_id
+from shared.serving import OpenAIServing, install_error_handlers, new_request_id, sse_response
 from shared.weights import served_model_name
 
 from .async_llm import AsyncLLM
@@ -129,7 +128,7 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
                                           [r.output() for r in requests]).model_dump_json()
             yield "[DONE]"
 
-        return EventSourceResponse(events())
+        return sse_response(events())
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: HTTPRequest):
@@ -149,7 +148,7 @@ def build_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
                 yield serving.usage_chunk(ChatCompletionStreamResponse, rid, [request.output()]).model_dump_json()
             yield "[DONE]"
 
-        return EventSourceResponse(events())
+        return sse_response(events())
 
     return app
 

@@ -29,10 +29,9 @@ from typing import AsyncIterator
 import uvicorn
 from fastapi import APIRouter, FastAPI
 from fastapi import Request as HTTPRequest
-from sse_starlette import EventSourceResponse
 
 from shared.protocol import ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest, CompletionStreamResponse
-from shared.serving import OpenAIServing, error_response, install_error_handlers, new_request_id
+from shared.serving import OpenAIServing, error_response, install_error_handlers, new_request_id, sse_response
 from shared.weights import served_model_name
 
 from .async_llm import AsyncLLM
@@ -108,7 +107,7 @@ async def completions(req: CompletionRequest, raw: HTTPRequest):
             yield serving.usage_chunk(CompletionStreamResponse, rid, whole).model_dump_json()
         yield "[DONE]"
 
-    return EventSourceResponse(events())
+    return sse_response(events())
 
 
 @router.post("/v1/chat/completions")
@@ -133,7 +132,7 @@ async def chat(req: ChatCompletionRequest, raw: HTTPRequest):
             yield serving.usage_chunk(ChatCompletionStreamResponse, rid, [whole]).model_dump_json()
         yield "[DONE]"
 
-    return EventSourceResponse(events())
+    return sse_response(events())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -51,12 +51,11 @@ from typing import Any, AsyncIterator
 import uvicorn
 from fastapi import APIRouter, FastAPI
 from fastapi import Request as HTTPRequest
-from sse_starlette import EventSourceResponse
 
 from shared.protocol import ChatCompletionStreamResponse, CompletionStreamResponse
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
-from shared.serving import OpenAIServing, error_response, install_error_handlers
+from shared.serving import OpenAIServing, error_response, install_error_handlers, sse_response
 from shared.weights import served_model_name
 
 from . import envs
@@ -177,7 +176,7 @@ async def completions(req: CompletionRequest, raw: HTTPRequest):
             yield serving.usage_chunk(CompletionStreamResponse, rid, whole).model_dump_json()
         yield "[DONE]"
 
-    return EventSourceResponse(events())
+    return sse_response(events())
 
 
 @router.post("/v1/chat/completions")
@@ -206,7 +205,7 @@ async def chat(req: ChatCompletionRequest, raw: HTTPRequest):
             yield serving.usage_chunk(ChatCompletionStreamResponse, rid, [whole]).model_dump_json()
         yield "[DONE]"
 
-    return EventSourceResponse(events())
+    return sse_response(events())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

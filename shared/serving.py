@@ -1,14 +1,16 @@
-"""The HTTP side every server shares: OpenAI error bodies, prompt preparation, and building
-responses and stream chunks from RequestOutputs. Each part's server.py only decides *how* it
-runs the engine (blocking, streaming, batched)."""
+"""The HTTP side every server shares: OpenAI error bodies, prompt preparation, building responses
+and stream chunks from RequestOutputs, and the stream's framing on the wire. Each part's server.py
+only decides *how* it runs the engine (blocking, streaming, batched)."""
 from __future__ import annotations
 
 import logging
 import uuid
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import InvalidRequestError
@@ -59,6 +61,24 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _internal(_: Request, exc: Exception):
         log.exception("internal error")
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+# sse-starlette sends a keep-alive comment every 15 s unless told otherwise; vLLM's server sends
+# none. Its `ping=0` turns them off only in recent releases (older ones loop on it without pause), so
+# the interval is set longer than any stream instead.
+NO_KEEPALIVE_S = 7 * 24 * 3600
+
+
+def sse_response(events: AsyncIterator[str]) -> EventSourceResponse:
+    """A stream as vLLM's server and OpenAI's API send it: every event is `data: <payload>` and a
+    blank line, `\n\n`, nothing else between events, and `data: [DONE]` last. sse-starlette
+    ends lines with `\r\n` by default. That is valid SSE, but a client that splits events on
+    `\n\n` (vLLM's `bench serve`, many hand-written ones) finds no boundary in it: when two events
+    arrive in one network read (the usage chunk with `[DONE]`), it cannot parse them and drops both.
+
+    In vLLM: vllm/entrypoints/openai/completion/serving.py and chat_completion/serving.py (the
+    `data: ...\n\n` lines of their stream generators)."""
+    return EventSourceResponse(events, sep="\n", ping=NO_KEEPALIVE_S)
 
 
 def new_request_id(prefix: str) -> str:
