@@ -41,6 +41,7 @@ from .coordinator import HEARTBEAT_S, EngineStats
 from .engine import LLMEngine, run_overlapped
 from .messages import (EngineCoreEventType as Event, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                        EngineCoreRequestType as Kind, Dead, Handshake, LogprobEntry, Ready, Rejected, decode, encode)
+from .parallel_state import engine_device
 from .request import Request
 from .stats import make_scheduler_stats, sequences_not_started
 from .worker import follow_parent
@@ -71,6 +72,12 @@ def engine_core_main(config: EngineConfig, rank: int, input_addr: str, output_ad
         _, payload = inp.recv_multipart()
         shared = decode(payload, Handshake)
         config = dataclasses.replace(config, prefix_caching_hash_seed=shared.prefix_caching_hash_seed)
+        # On one host's GPUs, each engine and its tensor-parallel ranks on GPUs of their own (part 15).
+        device = engine_device(config.device, rank - config.data_parallel_start_rank,
+                               config.tensor_parallel_size // (config.nnodes or 1), torch.cuda.is_available())
+        config = dataclasses.replace(config, device=device)
+        if device is not None and device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
         # With tensor parallelism this process only schedules: the workers get the cores.
         torch.set_num_threads(1 if config.tensor_parallel_size > 1 else config.num_threads or torch.get_num_threads())
         engine = LLMEngine(config)

@@ -86,6 +86,26 @@ class ParallelConfig:
         return cls(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, master_port + 1, master_port + 2)
 
 
+def engine_device(device: str | None, local_dp_rank: int, ranks_per_node: int, cuda: bool) -> str | None:
+    """The device of a data-parallel engine (part 15): on CUDA the engines of one host take disjoint
+    GPUs, engine `local_dp_rank` (its rank among this host's engines) from GPU
+    `local_dp_rank * ranks_per_node` on (its tensor-parallel ranks' first), counted from the
+    configured device's index. Elsewhere the configured device, unchanged.
+    In vLLM: vllm/v1/worker/gpu_worker.py, Worker.init_device (local_rank += dp_local_rank * tp_pp_size)."""
+    dev = torch.device(device) if device else torch.device("cuda" if cuda else "cpu")
+    if dev.type != "cuda":
+        return device
+    return f"cuda:{(dev.index or 0) + local_dp_rank * ranks_per_node}"
+
+
+def rank_device(device: str | None, rank: int, ranks_per_node: int, cuda: bool) -> torch.device:
+    """The device of tensor-parallel `rank`: on CUDA, GPU (the configured index) + its place on its node."""
+    dev = torch.device(device) if device else torch.device("cuda" if cuda else "cpu")
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank % ranks_per_node)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -40,7 +40,7 @@ from shared.sampler import SampledBatch, make_generator
 from .config import EngineConfig
 from .model_runner import ModelRunner, ModelRunnerOutput, SequenceBatchEntry
 from .parallel_layers import TensorParallelLayers
-from .parallel_state import ParallelConfig, init_distributed
+from .parallel_state import ParallelConfig, init_distributed, rank_device
 
 
 DRIVER_SILENCE_MS = 10_000
@@ -61,9 +61,8 @@ def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_t
     """The body of a worker process (started with multiprocessing's spawn)."""
     follow_parent()
     torch.set_num_threads(num_threads)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = rank_device(config.device, rank, parallel.ranks_per_node, torch.cuda.is_available())
     if device.type == "cuda":
-        device = torch.device("cuda", rank % parallel.ranks_per_node)
         torch.cuda.set_device(device)
     ctx = zmq.Context()
     steps = ctx.socket(zmq.SUB)
