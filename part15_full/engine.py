@@ -240,7 +240,7 @@ class LLMEngine:
         if grammar is not None and not fill_later:
             self.structured.fill(grammar)
         future = self.executor.execute_batch(self._batch_entries(out), out.finished_seq_ids,
-                                             out.kv_connector_metadata, grammar)
+                                             out.kv_connector_metadata, grammar, [s.seq_id for s in out.preempted])
         if grammar is not None and fill_later:
             self.structured.fill(grammar)
         return out, future, grammar is not None

@@ -36,9 +36,10 @@ class Executor:
         self.kv_connector_info = runner.kv_connector_info
 
     def execute_batch(self, batch: list[SequenceBatchEntry], finished_seq_ids: list[str],
-                      kv_connector_metadata=None, grammar_output=None) -> Future:
+                      kv_connector_metadata=None, grammar_output=None, preempted_seq_ids: list[str] = ()) -> Future:
         """Prepare the step's inputs here (the engine's thread) and launch it."""
-        return self.execute_model(self.runner.prepare_inputs(batch, kv_connector_metadata, grammar_output))
+        return self.execute_model(self.runner.prepare_inputs(batch, kv_connector_metadata, grammar_output,
+                                                             [*finished_seq_ids, *preempted_seq_ids]))
 
     @property
     def runs_elsewhere(self) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -32,10 +32,11 @@ from shared.sampler import SampledBatch, Sampler, SamplingRow
 from shared.weights import resolve_model_path
 
 from .compilation import compile_model, resolve_compilation_mode
-from .config import EngineConfig
+from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from .draft_model import DraftModelProposer, sample_drafts
 from .graph_runner import make_graph_runner
-from .kv_cache_manager import num_blocks_for_budget
+from .input_batch import InputBatch
+from .kv_cache_manager import cdiv, num_blocks_for_budget
 from .model_loader import get_model
 from .quantization import get_quant_config
 from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_config
@@ -181,6 +182,10 @@ class ModelRunner:
                 self.model, config.num_speculative_tokens, self.max_model_len, self.num_blocks,
                 self.block_size, self.device, self.dtype, config.speculative_model,
                 config.speculative_draft_layers, config.load_format, config.use_triton)
+        # Part 15: each step's inputs from state kept across steps (input_batch.py).
+        self.input_batch = InputBatch(config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                      config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
+                                      self.block_size, self.device)
         self.prev_sampled_token_ids: torch.Tensor | None = None
         self.kv_connector = None  # register_kv_connector
         self.kv_connector_info: dict = {}  # what the connector's scheduler half must know of it
@@ -194,24 +199,10 @@ class ModelRunner:
         self.timeline: list[tuple[float, float]] | None = None  # (start, end) of each step, when on
 
     def prepare_inputs(self, batch: list[SequenceBatchEntry], kv_connector_metadata: Any = None,
-                       grammar_output: GrammarOutput | None = None) -> ModelInput:
-        """The host half of a step: flatten the batch into tensors on the device."""
-        ids, positions, seq_lens, query_lens, slots, prev, last = [], [], [], [], [], [], []
-        for e in batch:
-            start, n = e.num_computed_tokens, e.num_new_tokens
-            ids += e.token_ids
-            if e.prev_row is not None:
-                slots.append(len(ids))
-                prev.append(e.prev_row)
-                ids.append(0)
-            ids += e.draft_token_ids
-            positions += range(start, start + n)
-            seq_lens.append(start + n)
-            query_lens.append(n)
-            if e.sampling is not None:  # the newest token's row, and one per draft
-                last += range(len(ids) - 1 - len(e.draft_token_ids), len(ids))
-        meta = PagedAttentionMetadata.build([e.block_ids for e in batch], seq_lens, query_lens,
-                                            self.block_size, self.device)
+                       grammar_output: GrammarOutput | None = None, freed_seq_ids: Sequence[str] = ()) -> ModelInput:
+        """The host half of a step: the step's tensors from the persistent block table and arrays
+        (input_batch.py; `freed_seq_ids`: sequences whose blocks went back to the pool since)."""
+        ids, positions, meta, last, slots, prev = self.input_batch.prepare(batch, freed_seq_ids)
 
         def tensor(data):
             return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
@@ -220,10 +211,8 @@ class ModelRunner:
         spec = None
         if self.drafter is not None or any(e.draft_token_ids for e in sampling):
             spec = self._prepare_spec(batch, sampling, tensor)
-        return ModelInput(tensor(ids), tensor(positions), meta, tensor(last),
-                          tensor(slots) if slots else None, tensor(prev) if prev else None,
-                          [e.sampling for e in sampling], [e.prev_row for e in sampling], spec,
-                          kv_connector_metadata, grammar_output)
+        return ModelInput(ids, positions, meta, last, slots, prev, [e.sampling for e in sampling],
+                          [e.prev_row for e in sampling], spec, kv_connector_metadata, grammar_output)
 
     def _prepare_spec(self, batch: list[SequenceBatchEntry], sampling: list[SequenceBatchEntry],
                       tensor) -> SpecInput:
@@ -295,6 +284,11 @@ class ModelRunner:
         if inp.input_ids.numel() == 0:  # a step that only moves KV blocks (part 12)
             return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
         start = time.perf_counter()
+        # On a GPU, the step's host arrays into the device's, here on the thread that runs the step.
+        (inp.input_ids, inp.positions, inp.metadata, inp.logits_indices, inp.placeholder_slots,
+         inp.placeholder_prev_rows) = self.input_batch.to_device(inp.input_ids, inp.positions, inp.metadata,
+                                                                 inp.logits_indices, inp.placeholder_slots,
+                                                                 inp.placeholder_prev_rows)
         input_ids = inp.input_ids
         if inp.placeholder_slots is not None:
             input_ids[inp.placeholder_slots] = self.prev_sampled_token_ids[inp.placeholder_prev_rows]

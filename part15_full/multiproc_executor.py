@@ -120,7 +120,7 @@ class MultiprocExecutor:
         return info
 
     def execute_batch(self, batch: list[SequenceBatchEntry], finished_seq_ids: list[str],
-                      kv_connector_metadata=None, grammar_output=None) -> Future:
+                      kv_connector_metadata=None, grammar_output=None, preempted_seq_ids: list[str] = ()) -> Future:
         if self.error is not None:
             raise self.error
         # Generators stay with the workers: send each seeded sequence's seed instead.
@@ -129,7 +129,8 @@ class MultiprocExecutor:
         plain = [e if e.sampling is None or e.sampling.generator is None else
                  dataclasses.replace(e, sampling=dataclasses.replace(e.sampling, generator=None)) for e in batch]
         future = _StepFuture(self)
-        self.steps.send(pickle.dumps(StepMessage(plain, seeds, finished_seq_ids, kv_connector_metadata, grammar_output)))
+        self.steps.send(pickle.dumps(StepMessage(plain, seeds, finished_seq_ids, kv_connector_metadata, grammar_output,
+                                                    list(preempted_seq_ids))))
         self.pending.append(future)
         return future
 

@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ class StepMessage:
     # Whatever a KV connector's scheduler side sends its worker side with this step (parts 12-13).
     kv_connector_metadata: Any = None
     grammar_output: Any = None  # structured outputs' bitmask, filled (part 15)
+    preempted_seq_ids: list[str] = field(default_factory=list)  # their blocks went back to the pool (part 15)
 
 
 def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_threads: int) -> None:
@@ -149,7 +150,8 @@ class WorkerProc:
                     self.inputs.put(None)
                     return
                 self.inputs.put(self.runner.prepare_inputs(self._with_generators(msg), msg.kv_connector_metadata,
-                                                             msg.grammar_output))
+                                                             msg.grammar_output,
+                                                             [*msg.finished_seq_ids, *msg.preempted_seq_ids]))
         except BaseException as e:  # re-raised by the main thread, which reports it
             self.inputs.put(e)
 
