@@ -432,8 +432,9 @@ def result_filename(args: argparse.Namespace, model: str, backend: str, date: st
     return name
 
 
-def run_cli(args: argparse.Namespace) -> dict[str, Any]:
-    """Run `bench serve` from parsed flags: print the report, maybe save it; return the result."""
+def config_from_args(args: argparse.Namespace) -> tuple[ServeConfig, Workload, Any]:
+    """The client's configuration, the workload and the tokenizer the parsed flags describe (a bad
+    flag raises ValueError before any request)."""
     from .datasets import get_samples
     from .workload import model_token_pool
 
@@ -455,6 +456,12 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         warmup=not args.no_warmup, percentiles=percentiles, burstiness=args.burstiness, goodput=goodput,
         percentile_metrics=sections, ignore_eos=args.ignore_eos or args.dataset_name == "random",
         temperature=args.temperature)
+    return config, workload, tokenizer
+
+
+def run_cli(args: argparse.Namespace) -> dict[str, Any]:
+    """Run `bench serve` from parsed flags: print the report, maybe save it; return the result."""
+    config, workload, tokenizer = config_from_args(args)
     kind = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
     print(f"Traffic request rate: {args.request_rate}\nBurstiness factor: {args.burstiness} ({kind})\n"
           f"Maximum request concurrency: {args.max_concurrency}")
