@@ -26,7 +26,8 @@ def test_each_stage_diff_shows_its_technique():
 
 def copy_parts(tmp_path, *names):
     """Parts copied into tmp_path with what `check` reads beside them: their notebooks (the
-    lessons' figures), the tests (their exercises name tests) and the list of vLLM's files."""
+    lessons' figures), the tests (their exercises name tests) and shared/ (stage.toml's [shared]
+    names its definitions; the lessons' excerpts and vLLM paths are held to it)."""
     for name in names:
         shutil.copytree(course.ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
         (tmp_path / "notebooks").mkdir(exist_ok=True)
@@ -34,8 +35,8 @@ def copy_parts(tmp_path, *names):
             shutil.copy(nb, tmp_path / "notebooks" / nb.name)
     shutil.copytree(course.ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"),
                     dirs_exist_ok=True)
-    (tmp_path / "shared").mkdir(exist_ok=True)
-    shutil.copy(course.ROOT / course.VLLM_FILES, tmp_path / course.VLLM_FILES)
+    shutil.copytree(course.ROOT / "shared", tmp_path / "shared", ignore=shutil.ignore_patterns("__pycache__"),
+                    dirs_exist_ok=True)
 
 
 def test_check_catches_an_undeclared_change(tmp_path):
