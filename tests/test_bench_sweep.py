@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
 from part15_full import bench
 from shared.bench import sweep
 
@@ -73,7 +74,7 @@ def test_sweep_picks_the_fastest_point_that_meets_the_slos_and_stops_every_serve
     pids.mkdir()
     rc = bench.main(["sweep", "--max-num-seqs", "8,16", "--max-num-batched-tokens", "256,512",
                      "--serve-cmd", stub_cmd(pids, PLAN), "--goodput", "ttft:600", "-o", str(out),
-                     *client_flags(tiny)])
+                     "--port", str(free_port()), *client_flags(tiny)])  # one port, each server in turn
     printed = capsys.readouterr().out
     assert rc == 0
     assert_gone(started(pids))

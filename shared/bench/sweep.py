@@ -167,7 +167,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """Whether nothing listens there (connections of an earlier server closing do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
