@@ -193,7 +193,10 @@ class _StepArrays:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device, pin: bool):
         def zeros(n, dtype):
             return torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
-        self.input_ids, self.positions = zeros(max_tokens, torch.long), zeros(max_tokens, torch.long)
+        # One slot more than a step can use: a step's ids and positions are then always views shorter than
+        # their array, so torch.compile's guards never single out the step that fills it (a view as long
+        # as its base gets a graph of its own).
+        self.input_ids, self.positions = zeros(max_tokens + 1, torch.long), zeros(max_tokens + 1, torch.long)
         self.slot_mapping, self.logits_indices = zeros(max_tokens, torch.long), zeros(max_tokens, torch.long)
         self.seq_lens, self.query_start_loc = zeros(max_seqs, torch.int32), zeros(max_seqs + 1, torch.int32)
         self.block_tables = zeros(max_seqs * max_blocks, torch.int32)
