@@ -13,7 +13,7 @@
    through it would no longer be a constant there (the loops would not vectorize). bf16 is computed in fp32
    and rounded once per stored element, as vLLM's CPU kernels do; torch's bf16 layers round after
    every op, so the two agree to about one bf16 step, not bit for bit.
-   Built by cpu_build.py with the system C compiler; bound by cpu_ops.py. */
+   Built by build.py with the system C compiler; declared in kernels.py, used by layers.py. */
 #include "vec_math.h"
 
 #include <math.h>
@@ -91,7 +91,7 @@ INLINE void silu_and_mul_row(const void *x, void *out, int64_t t, int64_t I, con
     }
 }
 
-/* What cpu_ops.py binds: each kernel over its rows, once per element type (x, out, w: [T, H]). */
+/* What layers.py calls: each kernel over its rows, once per element type (x, out, w: [T, H]). */
 void rms_norm(const float *x, float *out, const float *w, int64_t T, int64_t H, float eps) {
 #pragma omp parallel for schedule(static) if (T * H >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) rms_norm_row(x, out, w, t, H, eps, 0);

@@ -20,7 +20,7 @@
    once into the thread's fp32 buffer (a shift per element: vec_math.h) and the score loops read
    that; its values are widened in registers as they are summed. A bf16 pool is half the bytes to
    read, and each element is widened once, not once per query head.
-   Built by cpu_build.py with the system C compiler.
+   Built by build.py with the system C compiler; declared in kernels.py.
 
    Speed. Reading from memory is the floor, and the loops must not be slower than it. Each block's
    values are summed into accumulators held in vector registers across all its keys (a first
@@ -54,7 +54,7 @@
    as the right tile's (element pair, head) layout, into a 16 x G tile of fp32 scores. The keys are
    then never widened. The products of two bf16 are exact in fp32 either way; only the order of the
    sums differs. On a 2-core Sapphire Rapids VM the kernel's time in a held-out bf16 round fell from
-   0.95-1.13 s to 0.90-0.94 s. attention_use_amx switches it (cpu_attention.py:
+   0.95-1.13 s to 0.90-0.94 s. attention_use_amx switches it (attention.py:
    VLLM_COURSE_CPU_ATTENTION_AMX=0).
 
    Values, all of a KV head's query heads at once. A block's softmax is taken for each query head
@@ -470,7 +470,7 @@ int attention_tile_lanes(void) { return LANES; }
 
 /* Returns 0; -1 when the shapes exceed the fixed buffers or a tile is not one the kernel takes (the
    caller then takes the torch path), -2 when the buffers cannot be allocated. The step's tiles
-   come from the caller, worked out once for all layers (cpu_attention.py's plan): tile t is rows
+   come from the caller, worked out once for all layers (attention.py's plan): tile t is rows
    tiles[t] .. tiles[t + 1] - 1, one sequence's, through prefill_tiles.h where tiled[t] (at most
    LANES / G rows) and else one row through the row kernel. */
 /* q, k_cache, v_cache and out: fp32 arrays, or bf16 ones (uint16_t) where bf16 is 1. */

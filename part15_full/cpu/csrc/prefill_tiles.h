@@ -1,6 +1,6 @@
 /* Paged attention for a prefill's rows, a tile of them at a time: included by paged_attention_cpu.c
    (after its Job, next_block_at and prefetch_row), which sends a tile of rows here when its caller
-   says so: cpu_attention.py tiles a sequence's rows when it has more than SHORT_QUERY (8) of them
+   says so: attention.py tiles a sequence's rows when it has more than SHORT_QUERY (8) of them
    in a step. Read that file first.
 
    Why. The row kernel there walks a block's keys once per query row. A prefill of n tokens has n
@@ -15,7 +15,7 @@
    transposed once per item); its 16 softmax weights are one vector exp; its value row is added
    into each lane's output with the lane's weight. Nothing is summed across lanes (no horizontal
    sums), and a key is read once for the whole tile: ~2x faster than the row kernel on prefills
-   (lesson 15 has the measurements). For a decode row, with 3 of 16 lanes live, the same maths
+   (cpu/README.md has the measurements). For a decode row, with 3 of 16 lanes live, the same maths
    spends 16 lanes' work on 3: slower there than the row kernel, which is why decode stays on it.
 
    A lane's arithmetic does not depend on the other lanes: a key past a lane's causal length gets
