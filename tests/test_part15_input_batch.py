@@ -2,7 +2,7 @@
 randomized workloads (prefill chunks beside decodes, the previous step's tokens as placeholders,
 n-gram drafts, recompute preemption and resumption, prefix-cache hits, requests aborted in the
 middle of a batch), the tensors equal those the simple construction of parts 04-14 builds from the
-same batch; and the block table's rows, reused and grown."""
+same batch (part 14's runner builds the reference); and the block table's rows, reused and grown."""
 from __future__ import annotations
 
 import random
@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from part15_full.attention_metadata import PagedAttentionMetadata
 from part15_full.input_batch import BlockTable
 
 from conftest import save_tiny
@@ -26,23 +25,15 @@ def tiny(tmp_path_factory):
 
 
 def simple_inputs(batch, block_size: int):
-    """Parts 04-14's construction: Python lists per sequence, then one tensor per list."""
-    ids, positions, seq_lens, query_lens, slots, prev, last = [], [], [], [], [], [], []
-    for e in batch:
-        start, n = e.num_computed_tokens, e.num_new_tokens
-        ids += e.token_ids
-        if e.prev_row is not None:
-            slots.append(len(ids))
-            prev.append(e.prev_row)
-            ids.append(0)
-        ids += e.draft_token_ids
-        positions += range(start, start + n)
-        seq_lens.append(start + n)
-        query_lens.append(n)
-        if e.sampling is not None:
-            last += range(len(ids) - 1 - len(e.draft_token_ids), len(ids))
-    meta = PagedAttentionMetadata.build([e.block_ids for e in batch], seq_lens, query_lens, block_size)
-    return ids, positions, meta, last, slots, prev
+    """Part 14's runner builds the step: Python lists per sequence, then one tensor per list."""
+    from part14_quant.model_runner import ModelRunner as SimpleRunner
+
+    simple = SimpleRunner.__new__(SimpleRunner)  # prepare_inputs reads only these three
+    simple.block_size, simple.device, simple.drafter = block_size, torch.device("cpu"), None
+    inp = SimpleRunner.prepare_inputs(simple, batch)
+    as_list = lambda t: None if t is None else t.tolist()  # noqa: E731
+    return (inp.input_ids.tolist(), inp.positions.tolist(), inp.metadata, inp.logits_indices.tolist(),
+            as_list(inp.placeholder_slots), as_list(inp.placeholder_prev_rows))
 
 
 class Checked:
@@ -65,10 +56,10 @@ class Checked:
         assert got.query_start_loc.tolist() == meta.query_start_loc.tolist()
         assert (got.max_query_len, got.max_seq_len) == (meta.max_query_len, meta.max_seq_len)
         assert got.slot_mapping.dtype == torch.int64 and got.block_tables.dtype == got.seq_lens.dtype == torch.int32
-        assert (inp.placeholder_slots.tolist() if slots else None) == (slots or None)
-        assert (inp.placeholder_prev_rows.tolist() if prev else None) == (prev or None)
+        assert (inp.placeholder_slots.tolist() if slots else None) == slots
+        assert (inp.placeholder_prev_rows.tolist() if prev else None) == prev
         self.steps += 1
-        self.placeholders += len(slots)
+        self.placeholders += len(slots or [])
         self.drafts += sum(len(e.draft_token_ids) for e in batch)
         return inp
 
