@@ -19,17 +19,20 @@ details keep the number of compiled graphs small:
   so a restart compiles again only what changed: the first start pays the compile time, the next
   ones mostly load it.
 
-CUDA graphs (capturing a decode step's kernel launches once and replaying them) are vLLM's other
-half of this on a GPU; this course does not implement them (there is no GPU to test them on).
+CUDA graphs (capturing a step's kernel launches once and replaying them) are vLLM's other half of
+this on a GPU. Their configuration is here, `--compilation-config '{"cudagraph_mode": ...,
+"cudagraph_capture_sizes": [...]}'` with vLLM's names and defaults (`CompilationConfig`); capture
+and replay are in cuda_graph.py, the split at attention in piecewise.py, the runner in
+graph_runner.py.
 
 Modes (`--compilation-mode`): none (eager), piecewise (the above), full (Dynamo over everything,
 attention included: it splits the graph wherever tracing fails, which on paged attention means
-many small graphs). `--enforce-eager` forces none.
+many small graphs). `--enforce-eager` forces none, and no CUDA graphs.
 
-In vLLM: vllm/config/compilation.py (CompilationConfig: mode NONE, STOCK_TORCH_COMPILE,
-DYNAMO_TRACE_ONCE, VLLM_COMPILE; splitting_ops; cudagraph_mode NONE, PIECEWISE, FULL,
-FULL_DECODE_ONLY, FULL_AND_PIECEWISE; cudagraph_capture_sizes), vllm/compilation/backends.py
-(split_graph at the attention ops), vllm/compilation/cuda_graph.py (CUDAGraphWrapper)."""
+In vLLM v0.33.0: vllm/config/compilation.py (CompilationConfig: mode NONE, STOCK_TORCH_COMPILE,
+DYNAMO_TRACE_ONCE, VLLM_COMPILE; splitting_ops; CUDAGraphMode; cudagraph_capture_sizes),
+vllm/config/vllm.py (the default capture sizes), vllm/compilation/backends.py (split_graph at the
+attention ops), vllm/compilation/cuda_graph.py (CUDAGraphWrapper)."""
 from __future__ import annotations
 
 import logging
@@ -41,15 +44,17 @@ COMPILATION_MODES = ("none", "piecewise", "full")
 logger = logging.getLogger(__name__)
 
 
-def resolve_compilation_mode(mode: str | None, enforce_eager: bool, device: torch.device) -> str:
+def resolve_compilation_mode(mode: str | None, enforce_eager: bool, device: torch.device,
+                             split_for_graphs: bool = False) -> str:
     """The mode in effect. Default: piecewise on CUDA; none on CPU, where notebook 15 measured
     the compiled model's decode no faster than eager (ITL p50 219 against 211 ms; its throughput
-    within the run's spread) while every start pays the compile."""
+    within the run's spread) while every start pays the compile. None, too, when the CUDA-graph
+    mode asked for splits the forward at attention itself (`split_for_graphs`, piecewise.py)."""
     if mode is not None and mode not in COMPILATION_MODES:
         raise ValueError(f"compilation_mode must be one of {', '.join(COMPILATION_MODES)}, got {mode!r}")
     if enforce_eager:
         return "none"
-    return mode or ("piecewise" if device.type == "cuda" else "none")
+    return mode or ("piecewise" if device.type == "cuda" and not split_for_graphs else "none")
 
 
 def compile_model(model: torch.nn.Module, attention_backend, mode: str) -> None:

@@ -14,6 +14,7 @@ combinations; vLLM logs the resolved config as "Initializing a V1 LLM engine ...
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -39,6 +40,39 @@ KV_CONNECTORS = ("OffloadingConnector", "ExampleConnector", "SharedStorageConnec
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 
 
+DEFAULT_KV_CACHE_MEMORY_MB = 1024  # the KV pool on a CPU, where no profiling pass sizes it
+
+
+def batch_defaults_for(memory_bytes: int, name: str) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) of a CUDA device: vLLM's OpenAI-server defaults
+    (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults). A GPU of 70 GiB or more other than an
+    A100 (H100, H200, MI300x) keeps 1024 sequences in a batch with 8192 tokens a step: enough decodes
+    in one step to fill it, and a step's prefill budget that bounds the pause running streams see.
+    vLLM keeps A100s at the smaller budget, which measured faster there (its PR #17885)."""
+    big = memory_bytes >= 70 * 2**30 and "a100" not in name.lower()
+    return (1024, 8192) if big else (256, 2048)
+
+
+def batch_defaults(device: str | None) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) for the device: on a CPU 64 sequences and the chunked
+    prefill budget (DEFAULT_MAX_NUM_BATCHED_TOKENS); on CUDA batch_defaults_for the GPU."""
+    import torch
+
+    from shared.device import resolve_device
+
+    try:
+        dev = resolve_device(device)
+    except (RuntimeError, ValueError):  # a bad --device: validate() names it
+        dev = torch.device("cpu")
+    if dev.type != "cuda":
+        return 64, DEFAULT_MAX_NUM_BATCHED_TOKENS
+    try:
+        props = torch.cuda.get_device_properties(dev)
+        return batch_defaults_for(props.total_memory, props.name)
+    except (RuntimeError, AssertionError):
+        return batch_defaults_for(0, "")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = field(default=None, metadata={"help": "local HF folder or hub id "
@@ -61,11 +95,17 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the "
                                                               "model's, at most 8192)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    kv_cache_memory_mb: int = field(default=1024, metadata={"help": "memory budget of the KV block "
-                                                            "pool, in MiB"})
-    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one batch"})
+    kv_cache_memory_mb: int | None = field(default=None, metadata={
+        "help": "memory budget of the KV block pool, in MiB (default: 1024 on cpu; on cuda what "
+                "--gpu-memory-utilization leaves once the weights and a profiling step's peak are counted)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "cuda: the fraction of the GPU's memory this engine may use, KV cache included"})
+    max_num_seqs: int | None = field(default=None, metadata={
+        "help": "most sequences in one batch (default: 64 on cpu; on cuda vLLM's server defaults, 1024 "
+                "on a GPU of 70 GiB or more other than an A100, else 256)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
-        "help": "token budget of one step (default: 1024 with chunked prefill, else max_model_len)"})
+        "help": "token budget of one step (default with chunked prefill: 1024 on cpu; on cuda 8192 on a "
+                "GPU of 70 GiB or more other than an A100, else 2048; without chunked prefill: max_model_len)"})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "help": "split prompts longer than the step's budget into chunks over several steps "
                 "(off: a whole prompt must fit in one step, as in part 05)"})
@@ -160,10 +200,24 @@ class EngineConfig:
     compilation_mode: str | None = field(default=None, metadata={
         "help": "torch.compile of the model: none, piecewise (attention left out of the graph, as vLLM "
                 "splits it) or full (default: piecewise on cuda, none on cpu)"})
+    compilation_config: str | dict | None = field(default=None, metadata={
+        "help": "CUDA graphs, as JSON with vLLM's fields: cudagraph_mode (NONE, PIECEWISE, FULL, "
+                "FULL_DECODE_ONLY, FULL_AND_PIECEWISE; default on cuda: FULL_DECODE_ONLY over the torch.compiled "
+                "forward, FULL_AND_PIECEWISE with --compilation-mode none), "
+                "cudagraph_capture_sizes (default 1, 2, 4, 8, 16, ... up to max_cudagraph_capture_size), "
+                "max_cudagraph_capture_size (default min(2 x max_num_seqs x (1 + k), 512))"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "run the model eagerly: no torch.compile, no CUDA graphs"})
     use_triton: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on "
                                                             "cuda) or the torch reference"})
+
+    def __post_init__(self) -> None:
+        # The batch limits scale with the device (batch_defaults); set here, so every reader sees numbers.
+        if self.max_num_seqs is None or (self.max_num_batched_tokens is None and self.enable_chunked_prefill):
+            seqs, tokens = batch_defaults(self.device)
+            self.max_num_seqs = self.max_num_seqs or seqs
+            if self.max_num_batched_tokens is None and self.enable_chunked_prefill:
+                self.max_num_batched_tokens = tokens
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -188,6 +242,18 @@ class EngineConfig:
         problems = list(_problems(self, headless))
         if problems:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+    def _cudagraph_summary(self, device) -> str:
+        try:
+            graphs = CompilationConfig.from_cli(self.compilation_config)
+        except (ValueError, TypeError):
+            return "(invalid --compilation-config)"
+        split = graphs.cudagraph_mode is not None and CUDAGraphMode[graphs.cudagraph_mode].has_piecewise()
+        compiled = not self.enforce_eager and (self.compilation_mode or (
+            "piecewise" if device.type == "cuda" and not split else "none")) != "none"
+        mode, sizes = graphs.resolve(device.type == "cuda", self.enforce_eager, compiled, self.max_num_seqs,
+                                     self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        return mode.name + (f" at {len(sizes)} sizes, {sizes[0]}..{sizes[-1]} tokens" if sizes else "")
 
     def summary(self, max_model_len: int | None = None, num_blocks: int | None = None) -> str:
         """The effective configuration, one line per concern: what each default resolved to here.
@@ -215,7 +281,9 @@ class EngineConfig:
         engines = (f"{self.data_parallel_size} engine-core processes, routing {self.routing_policy}"
                    if self.data_parallel_size > 1 else "1 engine core, " +
                    ("in a process of its own" if self.multiprocess_engine_core else "in the server's process"))
-        pool = f"{self.kv_cache_memory_mb} MiB" + (f" = {num_blocks} blocks" if num_blocks else ", blocks")
+        budget = self.kv_cache_memory_mb or (None if device.type == "cuda" else DEFAULT_KV_CACHE_MEMORY_MB)
+        pool = (f"{budget} MiB" if budget else f"{self.gpu_memory_utilization:g} of the GPU's memory, less the rest") \
+            + (f" = {num_blocks} blocks" if num_blocks else ", blocks")
         lines = [
             ("model", f"{self.model or 'the embedded SmolLM2-135M-Instruct'} (load_format {self.load_format}"
                       + (f", max_model_len {max_model_len})" if max_model_len else ")")),
@@ -232,7 +300,8 @@ class EngineConfig:
             ("KV transfer", kv_transfer),
             ("structured out", self.structured_outputs_backend),
             ("kernels", f"enforce_eager {on[self.enforce_eager]}, Triton "
-                        f"{on[self.use_triton if self.use_triton is not None else device.type == 'cuda']}"),
+                        f"{on[self.use_triton if self.use_triton is not None else device.type == 'cuda']}, "
+                        f"CUDA graphs {self._cudagraph_summary(device)}"),
         ]
         return "effective configuration:\n" + "\n".join(f"  {k:<15} {v}" for k, v in lines)
 
@@ -284,6 +353,89 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
 
+# --compilation-config (part 15): CUDA graphs, vLLM's JSON and field names (vllm/config/compilation.py).
+class CUDAGraphMode(enum.Enum):
+    """How a step's forward replays: NONE (eager), PIECEWISE (the pieces between attention calls are
+    graphs, attention runs eagerly between them: any batch), FULL (one graph over the whole forward,
+    attention included: the batches the attention kernel can replay at fixed shapes). The two
+    tuple modes are (decode batches, mixed batches): FULL_DECODE_ONLY runs mixed batches eagerly,
+    FULL_AND_PIECEWISE (vLLM's default) replays them piecewise."""
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_PIECEWISE = (FULL, PIECEWISE)
+
+    def decode_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[0]) if isinstance(self.value, tuple) else self
+
+    def mixed_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[1]) if isinstance(self.value, tuple) else self
+
+    def has_piecewise(self) -> bool:
+        return CUDAGraphMode.PIECEWISE in (self.decode_mode(), self.mixed_mode())
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """vLLM's capture sizes up to max_size: 1, 2, 4, then every 8 below 256, then every 16."""
+    sizes = [1, 2, 4] + list(range(8, min(max_size + 1, 256), 8)) + list(range(256, max_size + 1, 16))
+    return [s for s in sizes if s <= max_size]
+
+
+@dataclass
+class CompilationConfig:
+    """`--compilation-config '{"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}'`.
+    Unset fields get vLLM's defaults in `resolve`; unknown fields are refused, not ignored."""
+    cudagraph_mode: str | None = None  # a CUDAGraphMode name (default: see resolve)
+    cudagraph_capture_sizes: list[int] | None = None  # default: default_capture_sizes(max size)
+    max_cudagraph_capture_size: int | None = None  # default: min(max_num_seqs * (1 + k) * 2, 512)
+
+    @classmethod
+    def from_cli(cls, value: str | dict | CompilationConfig | None) -> CompilationConfig:
+        if isinstance(value, CompilationConfig):
+            return value
+        data = {} if value is None else json.loads(value) if isinstance(value, str) else dict(value)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; known: {sorted(known)} (torch.compile itself: "
+                             f"--compilation-mode)")
+        config = cls(**data)
+        if config.cudagraph_mode is not None and config.cudagraph_mode not in CUDAGraphMode.__members__:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGraphMode.__members__)}, "
+                             f"got {config.cudagraph_mode!r}")
+        sizes = config.cudagraph_capture_sizes
+        if sizes is not None and (not isinstance(sizes, list) or not all(isinstance(n, int) and n > 0 for n in sizes)):
+            raise ValueError(f"cudagraph_capture_sizes must be a list of positive integers, got {sizes!r}")
+        if config.max_cudagraph_capture_size is not None and config.max_cudagraph_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be positive, got {config.max_cudagraph_capture_size}")
+        return config
+
+    def resolve(self, on_cuda: bool, enforce_eager: bool, compiled: bool, max_num_seqs: int,
+                max_num_batched_tokens: int, uniform_decode_query_len: int = 1) -> tuple[CUDAGraphMode, list[int]]:
+        """The mode and the capture sizes in effect. No graphs without CUDA or with --enforce-eager.
+        `compiled`: the model is torch.compiled whole (--compilation-mode piecewise or full), which
+        the piecewise split cannot go inside, so the default becomes FULL_DECODE_ONLY. Sizes are at
+        most the step's token budget; with drafts (uniform_decode_query_len = 1 + k) a FULL decode
+        graph's sizes are rounded up to multiples of it."""
+        if not on_cuda or enforce_eager:
+            return CUDAGraphMode.NONE, []
+        default = "FULL_DECODE_ONLY" if compiled else "FULL_AND_PIECEWISE"
+        mode = CUDAGraphMode[self.cudagraph_mode or default]
+        if mode == CUDAGraphMode.NONE:
+            return mode, []
+        q = uniform_decode_query_len
+        largest = self.max_cudagraph_capture_size or min(max_num_seqs * q * 2, 512)
+        largest = min(largest, max_num_batched_tokens)
+        sizes = sorted(set(self.cudagraph_capture_sizes or default_capture_sizes(largest)))
+        if self.cudagraph_capture_sizes and self.max_cudagraph_capture_size:
+            sizes = [n for n in sizes if n <= self.max_cudagraph_capture_size]
+        sizes = [n for n in sizes if n <= max_num_batched_tokens]
+        if q > 1 and mode.decode_mode() == CUDAGraphMode.FULL:
+            sizes = [n for n in sorted({-(-n // q) * q for n in sizes}) if n <= max_num_batched_tokens]
+        return (mode, sizes) if sizes else (CUDAGraphMode.NONE, [])
+
+
 def _problems(c: EngineConfig, headless: bool):
     """Each invalid setting or combination, as a sentence that names the flags to change."""
     import torch
@@ -320,6 +472,20 @@ def _problems(c: EngineConfig, headless: bool):
                                ("--data-parallel-size", c.data_parallel_size, 1), ("--nnodes", c.nnodes, 1)):
         if value is not None and value < least:
             yield f"{flag} must be at least {least}, got {value}"
+    if not 0 < c.gpu_memory_utilization <= 1:
+        yield f"--gpu-memory-utilization must be in (0, 1], got {c.gpu_memory_utilization}"
+    try:
+        graphs = CompilationConfig.from_cli(c.compilation_config)
+    except (ValueError, TypeError) as e:  # bad JSON, unknown fields, modes
+        yield f"--compilation-config: {e}"
+    else:
+        wants_graphs = graphs.cudagraph_mode not in (None, "NONE")
+        if wants_graphs and not c.enforce_eager and not str(c.device or "cuda").startswith("cuda"):
+            yield f"--compilation-config: cudagraph_mode {graphs.cudagraph_mode} needs a CUDA device"
+        if wants_graphs and CUDAGraphMode[graphs.cudagraph_mode].has_piecewise() \
+                and c.compilation_mode in ("piecewise", "full"):
+            yield (f"--compilation-config: cudagraph_mode {graphs.cudagraph_mode} splits the model at attention "
+                   f"itself; with --compilation-mode {c.compilation_mode} use FULL_DECODE_ONLY")
     if c.quantization_group_size != -1 and c.quantization_group_size < 1:
         yield f"--quantization-group-size must be positive (or -1: per channel), got {c.quantization_group_size}"
     budget = c.max_num_batched_tokens or (DEFAULT_MAX_NUM_BATCHED_TOKENS if c.enable_chunked_prefill else None)

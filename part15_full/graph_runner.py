@@ -13,21 +13,36 @@ whether the step can be replayed, at which captured size; `replay` runs it. This
 captures nothing: every step runs the modules' forward, `model(input_ids, positions)`, with the
 attention backend and its metadata in the forward context. A subclass changes only how a captured
 step runs:
+- on a GPU, `CUDAGraphRunner` below: a step's inputs go into static buffers, padded up to the next
+  capture size (token ids and positions 0, KV slots -1, sequences of length 0), and the step
+  replays a FULL graph (a uniform decode batch, attention inside) or the PIECEWISE graphs around
+  eager attention (any other batch); what the dispatcher cannot fit runs eagerly;
 - on a CPU, cpu/graph_runner.py's `CpuGraphRunner` binds every layer's weights to the part's C
-  kernels once and replays any step as one loop of kernel calls (cpu/README.md);
-- on a GPU, a CUDA-graph runner captures the forward at each capture size and replays the graph.
-The forward's result is the same either way, bit for bit on the CPU (tests/test_part15_graph_runner.py).
+  kernels once and replays any step as one loop of kernel calls (cpu/README.md).
+The forward's result is the same either way: bit for bit on the CPU (tests/test_part15_graph_runner.py),
+the same greedy tokens with graphs on and off (tests/test_part15_cuda_graphs.py, tests/test_gpu.py).
 
 In vLLM v0.33.0: vllm/compilation/cuda_graph.py (CUDAGraphWrapper: a captured graph per batch
 descriptor, replayed on a match), vllm/v1/cudagraph_dispatcher.py (which captured size a batch
 uses) and vllm/v1/worker/gpu_model_runner.py (capture_model at start-up, the padded batch)."""
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
+
 import torch
 
 from shared.forward_context import set_forward_context
 
-from .paged_attention import PagedAttention, resolve_obj_by_qualname
+from .attention_metadata import PAD_SLOT_ID, PagedAttentionMetadata
+from .config import CUDAGraphMode
+from .cuda_graph import CudaGraph, CUDAGraphWrapper, cudagraph_runtime
+from .cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
+from .paged_attention import AttentionCGSupport, PagedAttention, resolve_obj_by_qualname
+from .piecewise import bind_attention, trace_split
+
+logger = logging.getLogger(__name__)
 
 
 class GraphRunner:
@@ -56,14 +71,166 @@ class GraphRunner:
             return self.model(input_ids, positions)
 
 
+class CUDAGraphRunner(GraphRunner):
+    """Replays steps from CUDA graphs (see the module's docstring). `graph_cls`: cuda_graph.py's
+    CudaGraph, or its EagerGraph stand-in on a machine without CUDA."""
+
+    def __init__(self, model: torch.nn.Module, attn: PagedAttention, mode: CUDAGraphMode, sizes: list[int],
+                 max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
+                 uniform_decode_query_len: int = 1, graph_cls: type = CudaGraph):
+        super().__init__(model, attn)
+        self.mode, self.max_model_len = mode, max_model_len
+        self.dispatcher = CudagraphDispatcher(mode, sizes, max_num_seqs, uniform_decode_query_len)
+        device = attn.k_cache.device
+        # One more than the largest size: a replay's views are then never their whole buffer, which
+        # would get a Dynamo trace of its own.
+        tokens, reqs = max(sizes) + 1, max_num_seqs + 1
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        self.input_ids, self.positions, self.slot_mapping = zeros(tokens), zeros(tokens), zeros(tokens).fill_(PAD_SLOT_ID)
+        self.seq_lens, self.query_start_loc = zeros(reqs, dtype=torch.int32), zeros(reqs + 1, dtype=torch.int32)
+        self.block_tables = zeros(reqs, max_blocks_per_seq, dtype=torch.int32)
+        self.full = CUDAGraphWrapper(self._forward_full, CUDAGraphMode.FULL, graph_cls)
+        self.piecewise = trace_split(model, graph_cls) if self.dispatcher.keys[CUDAGraphMode.PIECEWISE] else None
+        self.full_metadata: dict[BatchDescriptor, PagedAttentionMetadata] = {}
+        self._step: tuple[CUDAGraphMode, BatchDescriptor] | None = None
+        self.replays = {CUDAGraphMode.FULL: 0, CUDAGraphMode.PIECEWISE: 0}  # steps run from graphs, by mode
+
+    def _forward_full(self, input_ids, positions, metadata):
+        with set_forward_context(self.attn, metadata):
+            return self.model(input_ids, positions)
+
+    def _metadata_for(self, desc: BatchDescriptor) -> PagedAttentionMetadata:
+        """A FULL graph's metadata: views of the static buffers at its shape. The longest query and
+        sequence are fixed at capture (a uniform batch; the model's length)."""
+        if desc not in self.full_metadata:
+            r = desc.num_reqs
+            self.full_metadata[desc] = PagedAttentionMetadata(
+                self.slot_mapping[:desc.num_tokens], self.block_tables[:r], self.seq_lens[:r],
+                self.query_start_loc[:r + 1], desc.num_tokens // r, self.max_model_len)
+        return self.full_metadata[desc]
+
+    @torch.inference_mode()  # as the steps run: Dynamo's trace is then the one the steps replay
+    def capture(self) -> None:
+        """Every graph the dispatcher can pick, at start-up: each after one eager warm-up run (which
+        compiles the Triton kernels and traces the split forward), on dummy inputs whose KV slots
+        are all -1 (nothing is written), largest first."""
+        start = time.perf_counter()
+        on_cuda = self.input_ids.is_cuda
+        free = torch.cuda.mem_get_info()[0] if on_cuda else 0
+        count = 0
+        for mode, descs in self.dispatcher.capture_descs():
+            for desc in descs:
+                for capturing in (False, True):
+                    self._dummy_run(mode, desc, capturing)
+                count += 1
+        if on_cuda:
+            torch.cuda.synchronize()
+            used = (free - torch.cuda.mem_get_info()[0]) / 2**30
+            logger.info("captured %d CUDA graphs (%s) in %.1f s, %.2f GiB", count, self.mode.name,
+                        time.perf_counter() - start, used)
+
+    def _dummy_run(self, mode: CUDAGraphMode, desc: BatchDescriptor, capturing: bool) -> None:
+        n = desc.num_tokens
+        self.input_ids[:n].zero_()
+        self.positions[:n].zero_()
+        self.slot_mapping[:n].fill_(PAD_SLOT_ID)
+        with cudagraph_runtime(mode if capturing else CUDAGraphMode.NONE, desc, capturing):
+            if mode == CUDAGraphMode.FULL:
+                r, q = desc.num_reqs, n // desc.num_reqs
+                self.seq_lens[:r].fill_(q)  # each dummy sequence attends to its own tokens
+                self.query_start_loc[:r + 1] = torch.arange(r + 1, dtype=torch.int32) * q
+                self.block_tables[:r].zero_()
+                self.full(self.input_ids[:n], self.positions[:n], self._metadata_for(desc))
+            else:
+                with bind_attention(None):  # attention's output is zeros on a dummy step
+                    self.piecewise(self.input_ids[:n], self.positions[:n])
+
+    def padded_size(self, num_tokens: int, metadata) -> int | None:
+        mode, desc = self.dispatcher.dispatch(num_tokens, metadata.num_seqs, metadata.max_query_len)
+        self._step = (mode, desc) if desc is not None else None
+        return None if desc is None else desc.num_tokens
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, size: int) -> torch.Tensor:
+        mode, desc = self._step
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids)
+        self.input_ids[n:size].zero_()
+        self.positions[:n].copy_(positions)
+        self.positions[n:size].zero_()
+        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        self.slot_mapping[n:size].fill_(PAD_SLOT_ID)  # padding tokens store nothing
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        self.replays[mode] += 1
+        with cudagraph_runtime(mode, desc):
+            if mode == CUDAGraphMode.FULL:
+                r, padded_r = metadata.num_seqs, desc.num_reqs
+                self.seq_lens[:r].copy_(metadata.seq_lens)
+                self.seq_lens[r:padded_r].zero_()  # padding sequences: no keys,
+                self.query_start_loc[:r + 1].copy_(metadata.query_start_loc)
+                self.query_start_loc[r + 1:padded_r + 1].fill_(n)  # no queries,
+                width = metadata.block_tables.shape[1]
+                self.block_tables[:r, :width].copy_(metadata.block_tables)
+                self.block_tables[r:padded_r].zero_()  # and the null block
+                out = self.full(ids, pos, self._metadata_for(desc))
+            else:  # attention runs eagerly between the pieces, on the step's metadata
+                padded = dataclasses.replace(metadata, slot_mapping=self.slot_mapping[:size], _plan=None)
+                with bind_attention(self.attn.bind_step(padded)):
+                    out = self.piecewise(ids, pos)
+        return out[:n]
+
+
+def graph_mode_for(mode: CUDAGraphMode, attention: AttentionCGSupport, *, piecewise_ok: bool = True,
+                   moe: bool = False, tensor_parallel: bool = False, kv_connector: bool = False
+                   ) -> tuple[CUDAGraphMode, list[str]]:
+    """The mode this model and backend can replay, and the reasons it differs from the one asked for
+    (vLLM lowers its modes the same way, by the backends' AttentionCGSupport). `piecewise_ok`: the
+    forward is not torch.compiled whole, so it can be traced and split at attention."""
+    if mode == CUDAGraphMode.NONE:
+        return mode, []
+    if moe:
+        return CUDAGraphMode.NONE, ["the MoE kernel reads its per-expert token counts on the host"]
+    if tensor_parallel:
+        return CUDAGraphMode.NONE, ["collectives are not captured in graphs here (tensor parallelism)"]
+    reasons = []
+    if kv_connector:
+        attention = AttentionCGSupport.NEVER
+        reasons.append("a KV connector's per-layer hooks run on the host, between a layer's kernels")
+    none, piece, full = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+    decode, mixed = mode.decode_mode(), mode.mixed_mode()
+    if not piecewise_ok and piece in (decode, mixed):
+        decode, mixed = (none if m == piece else m for m in (decode, mixed))
+        reasons.append("the forward is torch.compiled whole, so it is not split at attention")
+    fallback = piece if piecewise_ok else none
+    limit = ("the attention backend plans on the host, so it cannot run inside a FULL graph"
+             if attention == AttentionCGSupport.NEVER else
+             "the attention backend runs inside a FULL graph only for uniform batches")
+    if mixed == full and attention < AttentionCGSupport.ALWAYS:
+        mixed = fallback
+        reasons.append(limit)
+    if decode == full and attention < AttentionCGSupport.UNIFORM_BATCH:
+        decode = fallback
+        reasons.append(limit)
+    reasons = list(dict.fromkeys(reasons))
+    if decode == mixed:
+        return decode, reasons
+    names = {(full, none): CUDAGraphMode.FULL_DECODE_ONLY, (full, piece): CUDAGraphMode.FULL_AND_PIECEWISE}
+    return names.get((decode, mixed), piece if piece in (decode, mixed) else none), reasons
+
+
 # The CPU's runner, by its qualified name: the stage imports the CPU appendix only on a CPU.
 CPU_GRAPH_RUNNER = "part15_full.cpu.graph_runner.CpuGraphRunner"
 
 
-def make_graph_runner(model: torch.nn.Module, attn: PagedAttention, device: torch.device) -> GraphRunner:
-    """The runner for this device, captured: on a CPU the C-kernel one where it applies, else eager."""
+def make_graph_runner(model: torch.nn.Module, attn: PagedAttention, device: torch.device,
+                      graphs: dict | None = None) -> GraphRunner:
+    """The runner for this device, captured: CUDA graphs where `graphs` (CUDAGraphRunner's arguments
+    past the model and backend) asks for them, on a CPU the C-kernel one where it applies, else eager."""
     runner = None
-    if device.type == "cpu":
+    if graphs is not None and graphs["mode"] != CUDAGraphMode.NONE:
+        runner = CUDAGraphRunner(model, attn, **graphs)
+    elif device.type == "cpu":
         runner = resolve_obj_by_qualname(CPU_GRAPH_RUNNER).build(model, attn)
     runner = runner or GraphRunner(model, attn)
     runner.capture()

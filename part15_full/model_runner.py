@@ -19,6 +19,7 @@ steps on the same inputs, gets the same all-gathered logits and samples the same
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -32,11 +33,14 @@ from shared.sampler import SampledBatch, Sampler, SamplingRow
 from shared.weights import resolve_model_path
 
 from .compilation import compile_model, resolve_compilation_mode
-from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from .config import (DEFAULT_KV_CACHE_MEMORY_MB, DEFAULT_MAX_NUM_BATCHED_TOKENS, CompilationConfig, CUDAGraphMode,
+                     EngineConfig)
 from .draft_model import DraftModelProposer, sample_drafts
-from .graph_runner import make_graph_runner
+from .fused_moe import FusedMoE
+from .graph_runner import graph_mode_for, make_graph_runner
 from .input_batch import InputBatch
 from .kv_cache_manager import cdiv, num_blocks_for_budget
+from .memory_profiling import min_over_ranks, profile_kv_budget
 from .model_loader import get_model
 from .quantization import get_quant_config
 from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_config
@@ -46,6 +50,8 @@ from .paged_attention import get_attention_backend
 from .rejection_sampler import RejectionOutput, RejectionSampler, SpecDecodeMetadata
 from .structured_output.bitmask import unpack_bitmask
 from .structured_output.manager import GrammarOutput
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -161,18 +167,27 @@ class ModelRunner:
         self.block_size = config.block_size
         # The heads this process holds: all of them, or its rank's share (the budget is per rank).
         attn = self.model.layers[0].self_attn
-        self.num_blocks = num_blocks_for_budget(config.kv_cache_memory_mb * 2**20, c.num_hidden_layers,
+        max_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if config.kv_cache_memory_mb is None and self.device.type == "cuda":  # what the GPU has left (memory_profiling.py)
+            budget = profile_kv_budget(self.model, self.device, max_tokens, config.max_num_seqs, self.max_model_len,
+                                       config.gpu_memory_utilization)
+            if layers is not None and layers.tp_size > 1:  # every rank holds the same blocks: the smallest budget
+                budget = min_over_ranks(budget, self.device)
+        else:
+            budget = (config.kv_cache_memory_mb or DEFAULT_KV_CACHE_MEMORY_MB) * 2**20
+        self.num_blocks = num_blocks_for_budget(budget, c.num_hidden_layers,
                                                 attn.num_kv_heads, c.head_dim, self.block_size, self.dtype)
         if self.num_blocks < 2:
-            raise ValueError(f"kv_cache_memory_mb={config.kv_cache_memory_mb} holds fewer than 2 blocks")
+            raise ValueError(f"a KV budget of {budget / 2**20:.0f} MiB holds fewer than 2 blocks")
         # Part 15: the attention backend for this device and model, chosen once (paged_attention.py).
         self.attn = get_attention_backend(c.num_hidden_layers, self.num_blocks, self.block_size, attn.num_heads,
                                           attn.num_kv_heads, c.head_dim, self.dtype, self.device, config.use_triton)
         # Part 15: torch.compile of the model, attention left out of the graph (compilation.py).
-        self.compilation_mode = resolve_compilation_mode(config.compilation_mode, config.enforce_eager, self.device)
+        graph_config = CompilationConfig.from_cli(config.compilation_config)
+        split = graph_config.cudagraph_mode is not None and CUDAGraphMode[graph_config.cudagraph_mode].has_piecewise()
+        self.compilation_mode = resolve_compilation_mode(config.compilation_mode, config.enforce_eager, self.device,
+                                                         split_for_graphs=split)
         compile_model(self.model, self.attn, self.compilation_mode)
-        # Part 15: the runner seam, captured at start-up: every forward of a step goes through it (graph_runner.py).
-        self.graph_runner = make_graph_runner(self.model, self.attn, self.device)
         self.kv_transfer_config = resolve_kv_transfer_config(config)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -197,6 +212,30 @@ class ModelRunner:
             self.register_kv_connector(connector)
             self.kv_connector_info = connector.info()
         self.timeline: list[tuple[float, float]] | None = None  # (start, end) of each step, when on
+        # Part 15: the runner seam, captured at start-up: every forward of a step goes through it
+        # (graph_runner.py), replayed from CUDA graphs where the configuration and the model allow.
+        self.cudagraph_mode, reasons = self._cudagraph_mode(config, layers)
+        graphs = None
+        if self.cudagraph_mode != CUDAGraphMode.NONE:
+            graphs = dict(mode=self.cudagraph_mode, sizes=self.cudagraph_sizes, max_num_seqs=config.max_num_seqs,
+                          max_blocks_per_seq=cdiv(self.max_model_len, self.block_size),
+                          max_model_len=self.max_model_len, uniform_decode_query_len=self.uniform_decode_query_len)
+        for reason in reasons:
+            logger.info("CUDA graphs: %s, so %s", reason, self.cudagraph_mode.name)
+        self.graph_runner = make_graph_runner(self.model, self.attn, self.device, graphs)
+
+    def _cudagraph_mode(self, config: EngineConfig, layers) -> tuple[CUDAGraphMode, list[str]]:
+        """The CUDA-graph mode and capture sizes (config.py's CompilationConfig), lowered to what this
+        model, backend and set-up can replay (graph_runner.graph_mode_for)."""
+        self.uniform_decode_query_len = 1 + (config.num_speculative_tokens if config.speculative_method else 0)
+        compiled = self.compilation_mode != "none"
+        mode, self.cudagraph_sizes = CompilationConfig.from_cli(config.compilation_config).resolve(
+            self.device.type == "cuda", config.enforce_eager, compiled, config.max_num_seqs,
+            config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, self.uniform_decode_query_len)
+        return graph_mode_for(mode, self.attn.cudagraph_support, piecewise_ok=not compiled,
+                              moe=any(isinstance(m, FusedMoE) for m in self.model.modules()),
+                              tensor_parallel=layers is not None and layers.tp_size > 1,
+                              kv_connector=self.kv_connector is not None)
 
     def prepare_inputs(self, batch: list[SequenceBatchEntry], kv_connector_metadata: Any = None,
                        grammar_output: GrammarOutput | None = None, freed_seq_ids: Sequence[str] = ()) -> ModelInput:

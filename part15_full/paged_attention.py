@@ -24,6 +24,7 @@ attention for every layer, with whatever it derives from the metadata worked out
 runner calls that, and `forward` (the modules' call) goes through it too."""
 from __future__ import annotations
 
+import enum
 import importlib
 from dataclasses import dataclass
 
@@ -115,9 +116,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+class AttentionCGSupport(enum.IntEnum):
+    """Which batches a backend can run inside a FULL CUDA graph, where every host decision (a grid
+    size, a plan read from the metadata) is fixed at capture: any batch (ALWAYS), batches whose
+    sequences all have the same query length (UNIFORM_BATCH), or none (NEVER: it plans on the host)."""
+    NEVER = 0
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
 class PagedAttention(AttentionBackend):
     """Owns the block-pool KV tensors of every layer; per layer it stores this step's K/V in their
     slots, then attends through the block tables. A backend subclasses it with `attend`."""
+    cudagraph_support = AttentionCGSupport.NEVER
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, scale: float | None = None):
@@ -169,7 +180,9 @@ class TorchAttention(PagedAttention):
 
 
 class TritonAttention(PagedAttention):
-    """The GPU's: triton_kernels.py (also runs on a CPU under TRITON_INTERPRET=1, as the tests do)."""
+    """The GPU's: triton_kernels.py (also runs on a CPU under TRITON_INTERPRET=1, as the tests do).
+    Its grid is sized by the batch's longest query, so a FULL graph holds only uniform batches."""
+    cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
     def attend(self, layer_idx, q, k, v, metadata):
         # Imported on first use: importing triton is slow, and a CPU run never needs it.

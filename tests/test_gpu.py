@@ -19,6 +19,9 @@
     fp32, and the kernel in bf16 stays within bf16 tolerance of the fp32 reference.
 (g) Async scheduling's overlap (part 05 on): a step's sampled tokens reach the host without
     waiting for the GPU work queued after them (the next step's kernels).
+(h) Part 15's CUDA graphs: FULL_AND_PIECEWISE, PIECEWISE and FULL_DECODE_ONLY keep HF's greedy
+    tokens in fp32 over every capture size, padded batches, mixed steps, prefix caching and async
+    scheduling, with no capture after start-up; the KV cache sized from --gpu-memory-utilization.
 
 Parts are discovered with shared.course.stages(), so a new part is in this tier at once."""
 from __future__ import annotations
@@ -280,3 +283,75 @@ def test_sampled_tokens_reach_the_host_while_later_work_runs(logprobs):
         want = logits.log_softmax(dim=-1).max(dim=-1).values.tolist()
         assert out.logprobs == pytest.approx(want, abs=1e-5) and out.ranks == [1] * 6
         assert all(len(t) == 2 for t in out.top_logprobs)
+
+
+# ---- (h) part 15's CUDA graphs ---------------------------------------------------------------
+
+GRAPH_MODES = ["FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY"]
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_cuda_graphs_keep_the_eager_tokens(mode, no_tf32, prompt_token_ids, hf_greedy):
+    """Part 15 with CUDA graphs (compilation none, so the graphs are the only change) against HF's
+    greedy in fp32: 16 requests of different lengths, so the decode batch shrinks through every
+    size from 16 to 1 (padded to the capture sizes), with prompt chunks beside decodes (mixed
+    batches), prefix caching (half the prompts are prefixes of the others) and async scheduling.
+    Every capture size replays, and no graph is captured after start-up."""
+    from part15_full import LLM
+    from part15_full.config import CUDAGraphMode
+    from part15_full.piecewise import _Piece
+
+    sizes = [1, 2, 4, 8, 16, 32]
+    llm = LLM(device="cuda", dtype="float32", compilation_mode="none", max_num_seqs=16, max_num_batched_tokens=64,
+              compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": sizes})
+    try:
+        runner = llm.engine.executor.runner
+        gr = runner.graph_runner
+        assert runner.cudagraph_mode == CUDAGraphMode[mode]
+
+        def captured():
+            pieces = [m for s in gr.piecewise.state.get("modules", []) for m in s.modules() if isinstance(m, _Piece)] \
+                if gr.piecewise is not None else []
+            return len(gr.full.entries) + sum(len(p.wrapper.entries) for p in pieces)
+        at_start = captured()
+        seen = set()
+        dispatch = gr.dispatcher.dispatch
+
+        def observed(num_tokens, num_reqs, max_query_len):
+            out = dispatch(num_tokens, num_reqs, max_query_len)
+            seen.add(out)
+            return out
+        gr.dispatcher.dispatch = observed
+        prompts = prompt_token_ids + [ids[: max(3, len(ids) // 2)] for ids in prompt_token_ids]
+        lengths = [4 + 3 * i for i in range(len(prompts))]
+        outs = llm.generate(prompts, [greedy(n) for n in lengths])
+        torch.cuda.synchronize()
+        for o, p, n in zip(outs, prompts, lengths):
+            assert o.outputs[0].token_ids == hf_greedy(p, n)
+        assert captured() == at_start > 0
+        replayed = {d.num_tokens for m, d in seen if d is not None}
+        if CUDAGraphMode[mode].decode_mode() == CUDAGraphMode.FULL:
+            assert {1, 2, 4, 8, 16} <= replayed, replayed
+        assert gr.replays[CUDAGraphMode.FULL] + gr.replays[CUDAGraphMode.PIECEWISE] > 0
+        kv = llm.engine.kv_cache_manager
+        assert kv.num_free_blocks == num_kv_blocks(llm.engine) - 1 and not kv.req_to_blocks
+    finally:
+        release(llm)
+
+
+def test_kv_cache_is_sized_from_free_memory():
+    """Without --kv-cache-memory-mb, part 15 on CUDA gives the KV cache what --gpu-memory-utilization
+    leaves after the profile: more blocks at 0.5 than at 0.3, and the process stays within its share."""
+    from part15_full import LLM
+
+    blocks = {}
+    for util in (0.3, 0.5):
+        llm = LLM(device="cuda", dtype="bfloat16", gpu_memory_utilization=util, enforce_eager=True)
+        try:
+            runner = llm.engine.executor.runner
+            blocks[util] = runner.num_blocks
+            total = torch.cuda.get_device_properties(0).total_memory
+            assert torch.cuda.memory_reserved() <= util * total
+        finally:
+            release(llm)
+    assert blocks[0.5] > blocks[0.3] > 0

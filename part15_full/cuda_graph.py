@@ -1,0 +1,122 @@
+"""Capture a callable once per batch shape, then replay it.
+
+Why. Capturing records the kernels a call launches, with their arguments and the addresses of
+every tensor they read and write, into a CUDA graph; a replay launches all of them in one call,
+with none of the Python, the dispatcher or the launch overhead between them. The price is the
+rule every graph user lives by: a replay reads and writes exactly the memory the capture did. A
+step's inputs must therefore be copied into tensors that outlive the graph (graph_runner.py's
+static buffers) before a replay, and anything the host decided at capture (a grid size, a branch,
+a Python int) is decided for good.
+
+How. `CUDAGraphWrapper` wraps a callable: the whole forward (a FULL graph) or one piece between
+two attention calls (PIECEWISE, piecewise.py). It reads the step's mode and shape from
+`cudagraph_runtime` (set by the graph runner around the forward): in another mode it just calls
+through, so FULL and PIECEWISE wrappers nest; at a shape it has not seen it captures, which is
+allowed only while the runner captures at start-up; at a captured shape it replays and returns the
+tensors the capture returned. Every graph shares one memory pool, and shapes are captured largest
+first, so a smaller graph's temporaries reuse the largest one's memory.
+
+`CudaGraph` is the real thing. `EagerGraph` is a stand-in with the same contract for machines
+without CUDA: "capture" keeps the call and its result, "replay" calls it again and writes the
+result into the tensors the capture returned. It runs the graph runner's padding, static buffers
+and dispatch on a CPU; a runner that forgot to copy an input into its static buffer replays
+stale data on it as on a GPU (tests/test_part15_cuda_graphs.py).
+
+In vLLM v0.33.0: vllm/compilation/cuda_graph.py (CUDAGraphWrapper, CUDAGraphEntry) and
+vllm/forward_context.py (the runtime mode and BatchDescriptor a step publishes)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .config import CUDAGraphMode
+from .cudagraph_dispatcher import BatchDescriptor
+
+
+@dataclass
+class _Runtime:
+    mode: CUDAGraphMode = CUDAGraphMode.NONE
+    desc: BatchDescriptor | None = None
+    capturing: bool = False  # only the runner's start-up capture may record new graphs
+
+
+_runtime = _Runtime()
+
+
+@contextmanager
+def cudagraph_runtime(mode: CUDAGraphMode, desc: BatchDescriptor | None, capturing: bool = False) -> Iterator[None]:
+    """The step's mode and shape, for every wrapper the forward meets."""
+    global _runtime
+    previous, _runtime = _runtime, _Runtime(mode, desc, capturing)
+    try:
+        yield
+    finally:
+        _runtime = previous
+
+
+class CudaGraph:
+    """A torch.cuda.CUDAGraph in the pool every graph of the process shares."""
+    _pool = None
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        if CudaGraph._pool is None:
+            CudaGraph._pool = torch.cuda.graph_pool_handle()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=CudaGraph._pool):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EagerGraph:
+    """CudaGraph's contract without CUDA: a replay recomputes the captured call in place."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        self.fn = fn
+        self.output = fn()
+        return self.output
+
+    def replay(self) -> None:
+        _copy_into(self.output, self.fn())
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+@dataclass
+class _Entry:
+    graph: Any
+    output: Any
+
+
+class CUDAGraphWrapper:
+    """`runnable`, replayed from a graph per BatchDescriptor when the step's mode is `mode`."""
+
+    def __init__(self, runnable: Callable, mode: CUDAGraphMode, graph_cls: type = CudaGraph):
+        assert mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE)
+        self.runnable, self.mode, self.graph_cls = runnable, mode, graph_cls
+        self.entries: dict[BatchDescriptor, _Entry] = {}
+
+    def __call__(self, *args):
+        rt = _runtime
+        if rt.mode != self.mode:  # eager, or the other kind of graph (which may contain this one)
+            return self.runnable(*args)
+        entry = self.entries.get(rt.desc)
+        if entry is None:
+            if not rt.capturing:
+                raise RuntimeError(f"no {self.mode.name} graph for {rt.desc}: graphs are captured at start-up only")
+            graph = self.graph_cls()
+            output = graph.capture(lambda: self.runnable(*args))
+            self.entries[rt.desc] = entry = _Entry(graph, output)
+            return output
+        entry.graph.replay()
+        return entry.output

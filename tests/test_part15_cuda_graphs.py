@@ -1,0 +1,240 @@
+"""Part 15's CUDA graphs, on the CPU: the configuration (vLLM's modes, default capture sizes, what
+is refused), the dispatcher (the next capture size, FULL for uniform decode batches, PIECEWISE for
+the rest, eager past the largest), the per-feature lowering of the mode, and the runner itself:
+cuda_graph.py's EagerGraph stands in for a CUDA graph (a replay recomputes the captured call on the
+captured tensors), so padding, static buffers, the FULL metadata and the split at attention all
+run here. The engine with graphs gives the eager engine's greedy tokens (and HF's) over padded
+decode batches and mixed prefill/decode steps; a runner that leaves one input out of its static
+buffers is caught; padding writes no KV; nothing is captured after start-up.
+
+The engine checks use the Triton attention backend (the one a FULL graph can hold), which on a CPU
+runs under TRITON_INTERPRET=1, set before triton is imported: so they run in a child process, this
+file run as a script, which prints one JSON line (as tests/test_paged_kernels.py does)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from part15_full.config import CompilationConfig, CUDAGraphMode, EngineConfig, default_capture_sizes
+from part15_full.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
+from part15_full.graph_runner import graph_mode_for
+from part15_full.paged_attention import AttentionCGSupport
+
+REPO = Path(__file__).resolve().parents[1]
+M = CUDAGraphMode
+
+
+def test_default_capture_sizes_are_vllms():
+    sizes = default_capture_sizes(512)
+    assert len(sizes) == 51 and sizes[:5] == [1, 2, 4, 8, 16] and sizes[-3:] == [480, 496, 512]
+    assert 248 in sizes and 256 in sizes and 264 not in sizes and 272 in sizes
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16]
+    # The largest: min(2 x max_num_seqs x (1 + k), 512), within the step's token budget.
+    assert CompilationConfig().resolve(True, False, False, 64, 1024)[1][-1] == 128
+    assert CompilationConfig().resolve(True, False, False, 1024, 8192)[1][-1] == 512
+    assert CompilationConfig().resolve(True, False, False, 64, 100)[1][-1] == 96
+    # Drafts (k = 2): a FULL decode graph holds whole sequences of 3 tokens.
+    mode, sizes = CompilationConfig().resolve(True, False, False, 8, 1024, uniform_decode_query_len=3)
+    assert mode == M.FULL_AND_PIECEWISE and all(n % 3 == 0 for n in sizes) and sizes[:3] == [3, 6, 9]
+
+
+def test_mode_defaults_and_what_turns_graphs_off():
+    assert CompilationConfig().resolve(True, False, False, 64, 1024)[0] == M.FULL_AND_PIECEWISE  # vLLM's default
+    assert CompilationConfig().resolve(True, False, True, 64, 1024)[0] == M.FULL_DECODE_ONLY  # torch.compiled whole
+    assert CompilationConfig().resolve(True, True, False, 64, 1024) == (M.NONE, [])  # --enforce-eager
+    assert CompilationConfig().resolve(False, False, False, 64, 1024) == (M.NONE, [])  # no CUDA
+    explicit = CompilationConfig.from_cli('{"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [8, 2, 4]}')
+    assert explicit.resolve(True, False, False, 64, 1024) == (M.PIECEWISE, [2, 4, 8])
+
+
+@pytest.mark.parametrize("flag, message", [
+    ('{"cudagraph_mode": "FULLY"}', "cudagraph_mode must be one of"),
+    ('{"level": 3}', "unknown field"),
+    ('{"cudagraph_capture_sizes": [0, 8]}', "positive integers"),
+    ('{"cudagraph_mode": "FULL"', "Expecting"),
+])
+def test_compilation_config_refuses_bad_input(flag, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(compilation_config=flag, device="cpu").validate()
+
+
+def test_graphs_need_cuda_and_an_unsplit_forward():
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        EngineConfig(compilation_config='{"cudagraph_mode": "FULL"}', device="cpu").validate()
+    EngineConfig(compilation_config='{"cudagraph_mode": "NONE"}', device="cpu").validate()
+    with pytest.raises(ValueError, match="use FULL_DECODE_ONLY"):
+        EngineConfig(compilation_config='{"cudagraph_mode": "PIECEWISE"}', compilation_mode="piecewise",
+                     device="cpu", enforce_eager=True).validate()
+
+
+def test_dispatcher_pads_up_and_falls_back_past_the_largest():
+    d = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [1, 2, 4, 8], max_num_seqs=8)
+    assert d.dispatch(3, 3, 1) == (M.FULL, BatchDescriptor(4, 4, True))  # 3 decodes: the 4-sequence graph
+    assert d.dispatch(8, 8, 1) == (M.FULL, BatchDescriptor(8, 8, True))
+    assert d.dispatch(5, 2, 4) == (M.PIECEWISE, BatchDescriptor(8))  # a prefill chunk beside a decode
+    assert d.dispatch(1, 1, 1) == (M.FULL, BatchDescriptor(1, 1, True))
+    assert d.dispatch(9, 9, 1) == (M.NONE, None)  # past the largest size: eager
+    assert d.dispatch(0, 0, 0) == (M.NONE, None)
+    only_decode = CudagraphDispatcher(M.FULL_DECODE_ONLY, [1, 2, 4, 8], max_num_seqs=8)
+    assert only_decode.dispatch(5, 2, 4) == (M.NONE, None)
+    assert only_decode.dispatch(5, 5, 1) == (M.FULL, BatchDescriptor(8, 8, True))
+    piecewise = CudagraphDispatcher(M.PIECEWISE, [1, 2, 4, 8], max_num_seqs=8)
+    assert piecewise.dispatch(3, 3, 1) == (M.PIECEWISE, BatchDescriptor(4))
+    # With 2 drafts each decoding sequence has 3 tokens: 2 sequences fill the 6-token graph.
+    spec = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [3, 6, 9, 12], max_num_seqs=4, uniform_decode_query_len=3)
+    assert spec.dispatch(6, 2, 3) == (M.FULL, BatchDescriptor(6, 2, True))
+    assert spec.dispatch(5, 2, 3) == (M.PIECEWISE, BatchDescriptor(6))  # one sequence has fewer drafts
+    # Capture order: each mode's largest first.
+    assert [(m, [x.num_tokens for x in ds]) for m, ds in d.capture_descs()] == \
+        [(M.PIECEWISE, [8, 4, 2, 1]), (M.FULL, [8, 4, 2, 1])]
+
+
+def test_mode_is_lowered_to_what_the_model_and_backend_can_replay():
+    uniform, never = AttentionCGSupport.UNIFORM_BATCH, AttentionCGSupport.NEVER
+    assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform) == (M.FULL_AND_PIECEWISE, [])
+    assert graph_mode_for(M.FULL, uniform)[0] == M.FULL_AND_PIECEWISE  # mixed batches: pieces
+    assert graph_mode_for(M.FULL_AND_PIECEWISE, never)[0] == M.PIECEWISE  # the torch reference plans on the host
+    assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, kv_connector=True)[0] == M.PIECEWISE
+    assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, piecewise_ok=False)[0] == M.FULL_DECODE_ONLY
+    assert graph_mode_for(M.PIECEWISE, uniform, piecewise_ok=False)[0] == M.NONE
+    assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, moe=True) == \
+        (M.NONE, ["the MoE kernel reads its per-expert token counts on the host"])
+    assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, tensor_parallel=True)[0] == M.NONE
+
+
+def test_batch_defaults_follow_the_gpu_as_vllms_server():
+    from part15_full.config import batch_defaults, batch_defaults_for
+
+    gib = 2**30
+    assert batch_defaults_for(141 * gib, "NVIDIA H200") == (1024, 8192)
+    assert batch_defaults_for(80 * gib, "NVIDIA H100 80GB HBM3") == (1024, 8192)
+    assert batch_defaults_for(80 * gib, "NVIDIA A100-SXM4-80GB") == (256, 2048)  # kept small on A100s
+    assert batch_defaults_for(24 * gib, "NVIDIA L4") == (256, 2048)
+    assert batch_defaults("cpu") == (64, 1024)
+    assert (EngineConfig(device="cpu").max_num_seqs, EngineConfig(device="cpu").max_num_batched_tokens) == (64, 1024)
+    assert EngineConfig(device="cpu", max_num_seqs=8).max_num_seqs == 8  # a flag wins
+
+
+def test_kv_cache_gets_what_the_profile_leaves():
+    from part15_full.memory_profiling import kv_cache_budget_bytes
+
+    gib = 2**30
+    # 0.9 of 140 GiB, less a 3 GiB peak (weights and the largest step) and 1 GiB outside torch.
+    assert kv_cache_budget_bytes(140 * gib, 0.9, 3 * gib, 1 * gib) == int(126 * gib) - 4 * gib
+    with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
+        kv_cache_budget_bytes(16 * gib, 0.5, 7 * gib, 1 * gib)
+
+
+# -- the engine with graphs (in a child process: Triton under TRITON_INTERPRET=1) -------------------
+
+@pytest.fixture(scope="module")
+def engine_results(tmp_path_factory) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path_factory.mktemp("graphs"))], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_graphs_give_the_eager_engines_tokens(engine_results):
+    r = engine_results["graphs"]
+    assert r["eager"] == r["hf"], "the eager Triton engine itself differs from HF"
+    assert r["graphed"] == r["eager"]
+    # Both kinds ran: decode batches of 1-3 sequences padded to 1, 2, 4 (FULL), steps holding prefill
+    # chunks (PIECEWISE, up to the 16-token graph).
+    assert r["replays"]["FULL"] >= 5 and r["replays"]["PIECEWISE"] >= 2, r["replays"]
+    assert r["padded_steps"] > 0, "no step was padded"
+
+
+def test_nothing_is_captured_after_start_up(engine_results):
+    r = engine_results["graphs"]
+    assert r["graphs_after_run"] == r["graphs_at_start"] > 0
+
+
+def test_padding_writes_no_kv(engine_results):
+    assert engine_results["graphs"]["null_block_untouched"]
+
+
+def test_a_runner_that_leaves_an_input_out_of_its_buffers_is_caught(engine_results):
+    """The stand-in graph is faithful: positions not copied into the static buffer replay stale ones."""
+    r = engine_results
+    assert r["stale_positions"] != r["graphs"]["eager"]
+
+
+def _run_engine_checks(tmp: Path) -> dict:
+    import torch
+    import transformers
+
+    from conftest import greedy, hf_greedy_tokens, save_tiny
+    from part15_full import LLM
+    from part15_full.cuda_graph import EagerGraph
+    from part15_full.graph_runner import CUDAGraphRunner, GraphRunner
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    path = save_tiny(tmp / "llama", config, seed=5, scale=0.3)
+    g = torch.Generator().manual_seed(3)
+    # Three prompts, one long enough to be chunked under the 16-token budget: its chunks run
+    # beside the others' decodes (mixed steps); then 1-3 sequences decode (padded to 1, 2, 4).
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 23, 9)]
+    n = 10
+    llm = LLM(model=str(path), device="cpu", dtype="float32", use_triton=True, kv_cache_memory_mb=4,
+              max_num_seqs=4, max_num_batched_tokens=16)
+    runner = llm.engine.executor.runner
+
+    def run(graph_runner):
+        runner.graph_runner = graph_runner
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n))
+        return [o.outputs[0].token_ids for o in outs]
+
+    def graphs(cls=CUDAGraphRunner):
+        gr = cls(runner.model, runner.attn, M.FULL_AND_PIECEWISE, [1, 2, 4, 8, 16], max_num_seqs=4,
+                 max_blocks_per_seq=runner.max_model_len // runner.block_size, max_model_len=runner.max_model_len,
+                 graph_cls=EagerGraph)
+        gr.capture()
+        return gr
+
+    eager = run(GraphRunner(runner.model, runner.attn))
+    gr = graphs()
+    null_before = runner.attn.k_cache[:, 0].clone()
+    padded = {"steps": 0}
+    dispatch = gr.dispatcher.dispatch
+
+    def counting(num_tokens, num_reqs, max_query_len):
+        mode, desc = dispatch(num_tokens, num_reqs, max_query_len)
+        padded["steps"] += desc is not None and desc.num_tokens > num_tokens
+        return mode, desc
+    gr.dispatcher.dispatch = counting
+    entries_at_start = _graph_count(gr)
+    graphed = run(gr)
+    result = {"graphs": {
+        "hf": hf_greedy_tokens(path, prompts, n), "eager": eager, "graphed": graphed,
+        "replays": {m.name: k for m, k in gr.replays.items()}, "padded_steps": padded["steps"],
+        "graphs_at_start": entries_at_start, "graphs_after_run": _graph_count(gr),
+        "null_block_untouched": bool(torch.equal(runner.attn.k_cache[:, 0], null_before)),
+    }}
+
+    class StalePositions(CUDAGraphRunner):
+        def replay(self, input_ids, positions, metadata, size):
+            return super().replay(input_ids, self.positions[:input_ids.shape[0]].clone(), metadata, size)
+    result["stale_positions"] = run(graphs(StalePositions))
+    return result
+
+
+def _graph_count(gr) -> int:
+    """Graphs captured by the runner's FULL wrapper and by every piece of the split forward."""
+    from part15_full.piecewise import _Piece
+
+    split = gr.piecewise.state.get("modules", [])
+    pieces = [m for s in split for m in s.modules() if isinstance(m, _Piece)]
+    return len(gr.full.entries) + sum(len(p.wrapper.entries) for p in pieces)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_engine_checks(Path(sys.argv[1]))))
