@@ -32,3 +32,16 @@ def test_each_engine_at_each_batch_size(tmp_path):
     save_json(res, tmp_path / "host.json")
     saved = json.loads((tmp_path / "host.json").read_text())
     assert len(saved["rows"]) == 4 and saved["workload"]["num_requests"] == 8
+
+
+def test_step_profile_counts_the_engine_steps_it_times(tmp_path):
+    """shared/bench/step_profile.py (the GPU script's decode-step profile) on the CPU: one batch of 3
+    prompts that fit one step, then 5 tokens each: a prefill step that samples the first token, 4
+    decode steps; with async scheduling, one more (launched before the last tokens were known)."""
+    from shared.bench.step_profile import profile_decode
+
+    model = str(make_tiny_model(tmp_path / "tiny"))
+    r = profile_decode("part15_full", model, 3, 5, 8, "cpu", None, "dummy", {"async_scheduling": False})
+    assert r["steps"] == 5 and r["batch"] == 3 and r["device"] == "cpu"
+    assert r["wall_ms_per_step"] > 0 and r["kernel_ms_per_step"] == 0.0
+    assert profile_decode("part15_full", model, 3, 5, 8, "cpu", None, "dummy", {})["steps"] == 6
