@@ -74,13 +74,22 @@ class ThroughputResult:
         Path(path).write_text(json.dumps(self.to_dict(with_tokens), indent=2))
 
 
+def _cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it ("" where there is none)."""
+    try:
+        return next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                     if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def machine_info(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     import transformers
 
     info = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine()}
+            "processor": platform.processor() or platform.machine(), "cpu_model": _cpu_model()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
