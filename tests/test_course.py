@@ -26,13 +26,16 @@ def test_each_stage_diff_shows_its_technique():
 
 def copy_parts(tmp_path, *names):
     """Parts copied into tmp_path with what `check` reads beside them: their notebooks (the
-    lessons' figures), the tests (their exercises name tests) and shared/ (stage.toml's [shared]
+    lessons' figures) and pictures, the tests (their exercises name tests) and shared/ (stage.toml's [shared]
     names its definitions; the lessons' excerpts and vLLM paths are held to it)."""
     for name in names:
         shutil.copytree(course.ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
         (tmp_path / "notebooks").mkdir(exist_ok=True)
         for nb in course.ROOT.glob(f"notebooks/{name[4:6]}_*.ipynb"):
             shutil.copy(nb, tmp_path / "notebooks" / nb.name)
+        (tmp_path / course.FIGURES).mkdir(exist_ok=True)
+        for picture in course.ROOT.glob(f"{course.FIGURES}/{name[4:6]}_*.png"):  # the lesson's key picture
+            shutil.copy(picture, tmp_path / course.FIGURES / picture.name)
     shutil.copytree(course.ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"),
                     dirs_exist_ok=True)
     shutil.copytree(course.ROOT / "shared", tmp_path / "shared", ignore=shutil.ignore_patterns("__pycache__"),
@@ -519,16 +522,16 @@ def test_check_fails_on_a_figure_in_solutions_that_no_notebook_shows(tmp_path):
     copy_parts(tmp_path, "part01_simple_server", "part02_streaming")
     solutions = tmp_path / "SOLUTIONS.md"
     good = ("# Solutions\n\n## Part 01 — a simple server\n\n"
-            "1. **Predict.** One 32-token prefill (95.2 ms in the notebook): about 61 s uncached, "
+            "1. **Predict.** One 32-token prefill (44.8 ms in the notebook): about 61 s uncached, "
             "`3996 × 128 KiB` = 499.5 MiB, around 1e-6.\n"
-            "2. **Compare.** Notebook 02's stream took 4.06 s.\n\n## Part 02 — streaming\n\n1. Nothing measured.\n")
+            "2. **Compare.** Notebook 02's stream took 4.54 s.\n\n## Part 02 — streaming\n\n1. Nothing measured.\n")
     solutions.write_text(good)
     assert course.solutions_figure_problems(tmp_path) == []
-    solutions.write_text(good.replace("95.2 ms", "95.3 ms").replace("Notebook 02's stream", "The stream"))
+    solutions.write_text(good.replace("44.8 ms", "44.9 ms").replace("Notebook 02's stream", "The stream"))
     problems = course.solutions_figure_problems(tmp_path)
     assert problems == [
-        "SOLUTIONS.md, Part 01, exercise 1: '95.3 ms' is not in the outputs of notebooks/01_simple_server.ipynb",
-        "SOLUTIONS.md, Part 01, exercise 2: '4.06 s' is not in the outputs of notebooks/01_simple_server.ipynb"]
+        "SOLUTIONS.md, Part 01, exercise 1: '44.9 ms' is not in the outputs of notebooks/01_simple_server.ipynb",
+        "SOLUTIONS.md, Part 01, exercise 2: '4.54 s' is not in the outputs of notebooks/01_simple_server.ipynb"]
     assert set(problems) <= set(course.check(tmp_path))
     solutions.write_text(good.replace("## Part 02 — streaming\n\n1. Nothing measured.",
                                       "## Part 03 — paged attention\n\n1. It took 1.5 s."))
