@@ -4,8 +4,9 @@ the rest, eager past the largest), the per-feature lowering of the mode, and the
 cuda_graph.py's EagerGraph stands in for a CUDA graph (a replay recomputes the captured call on the
 captured tensors), so padding, static buffers, the FULL metadata and the split at attention all
 run here. The engine with graphs gives the eager engine's greedy tokens (and HF's) over padded
-decode batches and mixed prefill/decode steps; a runner that leaves one input out of its static
-buffers is caught; padding writes no KV; nothing is captured after start-up.
+decode batches and mixed prefill/decode steps, and with speculative decoding (FULL graphs of whole
+1 + k token sequences); a runner that leaves one input out of its static buffers is caught; padding
+writes no KV; nothing is captured after start-up.
 
 The engine checks use the Triton attention backend (the one a FULL graph can hold), which on a CPU
 runs under TRITON_INTERPRET=1, set before triton is imported: so they run in a child process, this
@@ -152,6 +153,13 @@ def test_graphs_give_the_eager_engines_tokens(engine_results):
     assert r["padded_steps"] > 0, "no step was padded"
 
 
+def test_speculative_verification_replays_graphs_of_whole_sequences(engine_results):
+    r = engine_results["spec"]
+    assert r["eager"] == r["hf"] and r["graphed"] == r["eager"]
+    assert r["full_shapes"] == [3, 6]  # FULL graphs hold whole sequences of 1 + k = 3 tokens
+    assert r["replays"]["FULL"] >= 3 and r["replays"]["PIECEWISE"] >= 1, r["replays"]
+
+
 def test_nothing_is_captured_after_start_up(engine_results):
     r = engine_results["graphs"]
     assert r["graphs_after_run"] == r["graphs_at_start"] > 0
@@ -219,6 +227,30 @@ def _run_engine_checks(tmp: Path) -> dict:
         "graphs_at_start": entries_at_start, "graphs_after_run": _graph_count(gr),
         "null_block_untouched": bool(torch.equal(runner.attn.k_cache[:, 0], null_before)),
     }}
+
+    # Speculative decoding (a 1-layer self-draft, k = 2; its own passes run eagerly): a sequence
+    # verifying 2 drafts has 3 tokens, so decode steps replay a FULL graph of 3 tokens a sequence, and
+    # the prompt steps and the last, shorter verifications replay pieces.
+    spec = LLM(model=str(path), device="cpu", dtype="float32", use_triton=True, kv_cache_memory_mb=4, max_num_seqs=2,
+               max_num_batched_tokens=16, speculative_method="draft_model", num_speculative_tokens=2,
+               speculative_draft_layers=1)
+    spec_runner = spec.engine.executor.runner
+    spec_prompts = [prompts[0], prompts[2]]
+
+    def run_spec(graph_runner):
+        spec_runner.graph_runner = graph_runner
+        outs = spec.generate([{"prompt_token_ids": p} for p in spec_prompts], greedy(12))
+        return [o.outputs[0].token_ids for o in outs]
+    spec_eager = run_spec(GraphRunner(spec_runner.model, spec_runner.attn))
+    spec_graphs = CUDAGraphRunner(spec_runner.model, spec_runner.attn, M.FULL_AND_PIECEWISE, [1, 2, 3, 4, 6, 8, 16],
+                                  max_num_seqs=2, max_blocks_per_seq=spec_runner.max_model_len // spec_runner.block_size,
+                                  max_model_len=spec_runner.max_model_len, uniform_decode_query_len=3,
+                                  graph_cls=EagerGraph)
+    spec_graphs.capture()
+    result["spec"] = {"hf": hf_greedy_tokens(path, spec_prompts, 12), "eager": spec_eager,
+                      "graphed": run_spec(spec_graphs),
+                      "replays": {m.name: k for m, k in spec_graphs.replays.items()},
+                      "full_shapes": sorted(d.num_tokens for d in spec_graphs.full.entries)}
 
     class StalePositions(CUDAGraphRunner):
         def replay(self, input_ids, positions, metadata, size):
