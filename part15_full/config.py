@@ -248,9 +248,8 @@ class EngineConfig:
             graphs = CompilationConfig.from_cli(self.compilation_config)
         except (ValueError, TypeError):
             return "(invalid --compilation-config)"
-        split = graphs.cudagraph_mode is not None and CUDAGraphMode[graphs.cudagraph_mode].has_piecewise()
         compiled = not self.enforce_eager and (self.compilation_mode or (
-            "piecewise" if device.type == "cuda" and not split else "none")) != "none"
+            "piecewise" if device.type == "cuda" and not graphs.splits_forward() else "none")) != "none"
         mode, sizes = graphs.resolve(device.type == "cuda", self.enforce_eager, compiled, self.max_num_seqs,
                                      self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
         return mode.name + (f" at {len(sizes)} sizes, {sizes[0]}..{sizes[-1]} tokens" if sizes else "")
@@ -411,6 +410,11 @@ class CompilationConfig:
             raise ValueError(f"max_cudagraph_capture_size must be positive, got {config.max_cudagraph_capture_size}")
         return config
 
+    def splits_forward(self) -> bool:
+        """The mode asked for replays pieces split at attention (piecewise.py), which the whole-forward
+        torch.compile of --compilation-mode cannot go with."""
+        return self.cudagraph_mode is not None and CUDAGraphMode[self.cudagraph_mode].has_piecewise()
+
     def resolve(self, on_cuda: bool, enforce_eager: bool, compiled: bool, max_num_seqs: int,
                 max_num_batched_tokens: int, uniform_decode_query_len: int = 1) -> tuple[CUDAGraphMode, list[int]]:
         """The mode and the capture sizes in effect. No graphs without CUDA or with --enforce-eager.
@@ -480,10 +484,10 @@ def _problems(c: EngineConfig, headless: bool):
         yield f"--compilation-config: {e}"
     else:
         wants_graphs = graphs.cudagraph_mode not in (None, "NONE")
-        if wants_graphs and not c.enforce_eager and not str(c.device or "cuda").startswith("cuda"):
+        on_cuda = c.device.startswith("cuda") if c.device not in (None, "auto") else torch.cuda.is_available()
+        if wants_graphs and not c.enforce_eager and not on_cuda:
             yield f"--compilation-config: cudagraph_mode {graphs.cudagraph_mode} needs a CUDA device"
-        if wants_graphs and CUDAGraphMode[graphs.cudagraph_mode].has_piecewise() \
-                and c.compilation_mode in ("piecewise", "full"):
+        if graphs.splits_forward() and c.compilation_mode in ("piecewise", "full"):
             yield (f"--compilation-config: cudagraph_mode {graphs.cudagraph_mode} splits the model at attention "
                    f"itself; with --compilation-mode {c.compilation_mode} use FULL_DECODE_ONLY")
     if c.quantization_group_size != -1 and c.quantization_group_size < 1:

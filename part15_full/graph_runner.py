@@ -130,8 +130,8 @@ class CUDAGraphRunner(GraphRunner):
         if on_cuda:
             torch.cuda.synchronize()
             used = (free - torch.cuda.mem_get_info()[0]) / 2**30
-            logger.info("captured %d CUDA graphs (%s) in %.1f s, %.2f GiB", count, self.mode.name,
-                        time.perf_counter() - start, used)
+            logger.info("CUDA graphs (%s) captured for %d batch shapes in %.1f s, %.2f GiB", self.mode.name,
+                        count, time.perf_counter() - start, used)
 
     def _dummy_run(self, mode: CUDAGraphMode, desc: BatchDescriptor, capturing: bool) -> None:
         n = desc.num_tokens

@@ -33,8 +33,7 @@ from shared.sampler import SampledBatch, Sampler, SamplingRow
 from shared.weights import resolve_model_path
 
 from .compilation import compile_model, resolve_compilation_mode
-from .config import (DEFAULT_KV_CACHE_MEMORY_MB, DEFAULT_MAX_NUM_BATCHED_TOKENS, CompilationConfig, CUDAGraphMode,
-                     EngineConfig)
+from .config import DEFAULT_KV_CACHE_MEMORY_MB, CompilationConfig, CUDAGraphMode, EngineConfig
 from .draft_model import DraftModelProposer, sample_drafts
 from .fused_moe import FusedMoE
 from .graph_runner import graph_mode_for, make_graph_runner
@@ -167,10 +166,11 @@ class ModelRunner:
         self.block_size = config.block_size
         # The heads this process holds: all of them, or its rank's share (the budget is per rank).
         attn = self.model.layers[0].self_attn
-        max_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        # The largest step: the token budget, or without chunked prefill a whole prompt.
+        self.max_step_tokens = config.max_num_batched_tokens or self.max_model_len
         if config.kv_cache_memory_mb is None and self.device.type == "cuda":  # what the GPU has left (memory_profiling.py)
-            budget = profile_kv_budget(self.model, self.device, max_tokens, config.max_num_seqs, self.max_model_len,
-                                       config.gpu_memory_utilization)
+            budget = profile_kv_budget(self.model, self.device, self.max_step_tokens, config.max_num_seqs,
+                                       self.max_model_len, config.gpu_memory_utilization)
             if layers is not None and layers.tp_size > 1:  # every rank holds the same blocks: the smallest budget
                 budget = min_over_ranks(budget, self.device)
         else:
@@ -184,9 +184,8 @@ class ModelRunner:
                                           attn.num_kv_heads, c.head_dim, self.dtype, self.device, config.use_triton)
         # Part 15: torch.compile of the model, attention left out of the graph (compilation.py).
         graph_config = CompilationConfig.from_cli(config.compilation_config)
-        split = graph_config.cudagraph_mode is not None and CUDAGraphMode[graph_config.cudagraph_mode].has_piecewise()
         self.compilation_mode = resolve_compilation_mode(config.compilation_mode, config.enforce_eager, self.device,
-                                                         split_for_graphs=split)
+                                                         split_for_graphs=graph_config.splits_forward())
         compile_model(self.model, self.attn, self.compilation_mode)
         self.kv_transfer_config = resolve_kv_transfer_config(config)
         self.sampler = Sampler()
@@ -198,7 +197,7 @@ class ModelRunner:
                 self.block_size, self.device, self.dtype, config.speculative_model,
                 config.speculative_draft_layers, config.load_format, config.use_triton)
         # Part 15: each step's inputs from state kept across steps (input_batch.py).
-        self.input_batch = InputBatch(config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        self.input_batch = InputBatch(self.max_step_tokens,
                                       config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
                                       self.block_size, self.device)
         self.prev_sampled_token_ids: torch.Tensor | None = None
@@ -214,7 +213,7 @@ class ModelRunner:
         self.timeline: list[tuple[float, float]] | None = None  # (start, end) of each step, when on
         # Part 15: the runner seam, captured at start-up: every forward of a step goes through it
         # (graph_runner.py), replayed from CUDA graphs where the configuration and the model allow.
-        self.cudagraph_mode, reasons = self._cudagraph_mode(config, layers)
+        self.cudagraph_mode, reasons = self._cudagraph_mode(graph_config, config, layers)
         graphs = None
         if self.cudagraph_mode != CUDAGraphMode.NONE:
             graphs = dict(mode=self.cudagraph_mode, sizes=self.cudagraph_sizes, max_num_seqs=config.max_num_seqs,
@@ -224,14 +223,15 @@ class ModelRunner:
             logger.info("CUDA graphs: %s, so %s", reason, self.cudagraph_mode.name)
         self.graph_runner = make_graph_runner(self.model, self.attn, self.device, graphs)
 
-    def _cudagraph_mode(self, config: EngineConfig, layers) -> tuple[CUDAGraphMode, list[str]]:
+    def _cudagraph_mode(self, graph_config: CompilationConfig, config: EngineConfig,
+                        layers) -> tuple[CUDAGraphMode, list[str]]:
         """The CUDA-graph mode and capture sizes (config.py's CompilationConfig), lowered to what this
         model, backend and set-up can replay (graph_runner.graph_mode_for)."""
         self.uniform_decode_query_len = 1 + (config.num_speculative_tokens if config.speculative_method else 0)
         compiled = self.compilation_mode != "none"
-        mode, self.cudagraph_sizes = CompilationConfig.from_cli(config.compilation_config).resolve(
+        mode, self.cudagraph_sizes = graph_config.resolve(
             self.device.type == "cuda", config.enforce_eager, compiled, config.max_num_seqs,
-            config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, self.uniform_decode_query_len)
+            self.max_step_tokens, self.uniform_decode_query_len)
         return graph_mode_for(mode, self.attn.cudagraph_support, piecewise_ok=not compiled,
                               moe=any(isinstance(m, FusedMoE) for m in self.model.modules()),
                               tensor_parallel=layers is not None and layers.tp_size > 1,

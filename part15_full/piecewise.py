@@ -118,9 +118,8 @@ def trace_split(model: torch.nn.Module, graph_cls: type) -> Callable:
     state = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
-        split, n = split_at_attention(gm, graph_cls)
+        split, _ = split_at_attention(gm, graph_cls)
         state.setdefault("modules", []).append(split)  # one per Dynamo trace (token count 1 gets its own)
-        state["pieces"] = n + 1
         return split
 
     compiled = torch.compile(model.forward, backend=backend, dynamic=True, fullgraph=True)

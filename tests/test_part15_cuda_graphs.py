@@ -68,6 +68,11 @@ def test_graphs_need_cuda_and_an_unsplit_forward():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         EngineConfig(compilation_config='{"cudagraph_mode": "FULL"}', device="cpu").validate()
     EngineConfig(compilation_config='{"cudagraph_mode": "NONE"}', device="cpu").validate()
+    import torch
+
+    if not torch.cuda.is_available():  # the default device is then the CPU
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            EngineConfig(compilation_config='{"cudagraph_mode": "PIECEWISE"}').validate()
     with pytest.raises(ValueError, match="use FULL_DECODE_ONLY"):
         EngineConfig(compilation_config='{"cudagraph_mode": "PIECEWISE"}', compilation_mode="piecewise",
                      device="cpu", enforce_eager=True).validate()
