@@ -299,7 +299,7 @@ def test_cuda_graphs_keep_the_eager_tokens(mode, no_tf32, prompt_token_ids, hf_g
     Every capture size replays, and no graph is captured after start-up."""
     from part15_full import LLM
     from part15_full.config import CUDAGraphMode
-    from part15_full.piecewise import _Piece
+    from test_part15_cuda_graphs import _graph_count
 
     sizes = [1, 2, 4, 8, 16, 32]
     llm = LLM(device="cuda", dtype="float32", compilation_mode="none", max_num_seqs=16, max_num_batched_tokens=64,
@@ -309,11 +309,7 @@ def test_cuda_graphs_keep_the_eager_tokens(mode, no_tf32, prompt_token_ids, hf_g
         gr = runner.graph_runner
         assert runner.cudagraph_mode == CUDAGraphMode[mode]
 
-        def captured():
-            pieces = [m for s in gr.piecewise.state.get("modules", []) for m in s.modules() if isinstance(m, _Piece)] \
-                if gr.piecewise is not None else []
-            return len(gr.full.entries) + sum(len(p.wrapper.entries) for p in pieces)
-        at_start = captured()
+        at_start = _graph_count(gr)
         seen = set()
         dispatch = gr.dispatcher.dispatch
 
@@ -328,7 +324,7 @@ def test_cuda_graphs_keep_the_eager_tokens(mode, no_tf32, prompt_token_ids, hf_g
         torch.cuda.synchronize()
         for o, p, n in zip(outs, prompts, lengths):
             assert o.outputs[0].token_ids == hf_greedy(p, n)
-        assert captured() == at_start > 0
+        assert _graph_count(gr) == at_start > 0
         replayed = {d.num_tokens for m, d in seen if d is not None}
         if CUDAGraphMode[mode].decode_mode() == CUDAGraphMode.FULL:
             assert {1, 2, 4, 8, 16} <= replayed, replayed

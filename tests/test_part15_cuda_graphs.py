@@ -268,7 +268,7 @@ def _graph_count(gr) -> int:
     """Graphs captured by the runner's FULL wrapper and by every piece of the split forward."""
     from part15_full.piecewise import _Piece
 
-    split = gr.piecewise.state.get("modules", [])
+    split = gr.piecewise.state.get("modules", []) if gr.piecewise is not None else []
     pieces = [m for s in split for m in s.modules() if isinstance(m, _Piece)]
     return len(gr.full.entries) + sum(len(p.wrapper.entries) for p in pieces)
 
