@@ -29,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .attention_metadata import PagedAttentionMetadata
+
 # Sets of host arrays, used in turn. At most two steps are in flight, so step N + 3 reuses step N's set
 # after N has ended; the third set covers a tensor-parallel rank whose input thread prepares a step
 # while its main thread still samples the step two before.
@@ -106,8 +108,6 @@ class InputBatch:
     def prepare(self, batch, freed_seq_ids=()) -> tuple:
         """(input_ids, positions, metadata, logits_indices, placeholder_slots, placeholder_prev_rows) of
         the step: host tensors, views into this step's arrays (the device's own on a CPU)."""
-        from .attention_metadata import PagedAttentionMetadata
-
         table = self.block_table
         for seq_id in freed_seq_ids:  # finished, aborted or preempted: their blocks went back to the pool
             table.remove(seq_id)
@@ -137,38 +137,37 @@ class InputBatch:
         # Positions: each sequence's computed count, then 0, 1, ... over its new tokens (vLLM's
         # arange trick: one repeat and one subtraction for the whole step).
         ends = np.cumsum(new)
-        positions = arrays.positions.numpy()[:num_tokens]
+        host = arrays.np
+        positions = host["positions"][:num_tokens]
         np.subtract(self.arange[:num_tokens], np.repeat(ends - new - computed, new), out=positions)
         token_rows = np.repeat(rows, new)
         bs = self.block_size
-        slot = arrays.slot_mapping.numpy()[:num_tokens]
+        slot = host["slot_mapping"][:num_tokens]
         np.add(table.table[token_rows, positions // bs].astype(np.int64) * bs, positions % bs, out=slot)
-        seq_lens = arrays.seq_lens.numpy()[:num_seqs]
+        seq_lens = host["seq_lens"][:num_seqs]
         np.add(computed, new, out=seq_lens, casting="unsafe")
-        starts = arrays.query_start_loc.numpy()[:num_seqs + 1]
+        starts = host["query_start_loc"][:num_seqs + 1]
         starts[0] = 0
         starts[1:] = ends
         width = int(table.num_blocks[rows].max()) if num_seqs else 0
-        tables = arrays.block_tables.numpy()[:num_seqs * width].reshape(num_seqs, width)
+        tables = host["block_tables"][:num_seqs * width].reshape(num_seqs, width)
         np.take(table.table[:, :width], rows, axis=0, out=tables)
-        arrays.input_ids.numpy()[:num_tokens] = ids
-        arrays.logits_indices.numpy()[:len(last)] = last
+        host["input_ids"][:num_tokens] = ids
+        host["logits_indices"][:len(last)] = last
         t = arrays.tensors(num_tokens, num_seqs, width, len(last))
         metadata = PagedAttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"], t["query_start_loc"],
                                           int(new.max()) if num_seqs else 0,
                                           int(seq_lens.max()) if num_seqs else 0)
         placeholders = (None, None)
         if slots:
-            arrays.placeholder_slots.numpy()[:len(slots)] = slots
-            arrays.placeholder_prev_rows.numpy()[:len(prev)] = prev
+            host["placeholder_slots"][:len(slots)] = slots
+            host["placeholder_prev_rows"][:len(prev)] = prev
             placeholders = (arrays.placeholder_slots[:len(slots)], arrays.placeholder_prev_rows[:len(prev)])
         return (t["input_ids"], t["positions"], metadata, t["logits_indices"], *placeholders)
 
     def to_device(self, input_ids, positions, metadata, logits_indices, placeholder_slots, placeholder_prev_rows):
         """The step's host tensors copied into the device arrays (one non-blocking copy each, from
         pinned memory), on the thread that runs the step: the copies queue behind the step before."""
-        from .attention_metadata import PagedAttentionMetadata
-
         dev = self._device
         if dev is None:
             return input_ids, positions, metadata, logits_indices, placeholder_slots, placeholder_prev_rows
@@ -201,9 +200,19 @@ class _StepArrays:
         self.seq_lens, self.query_start_loc = zeros(max_seqs, torch.int32), zeros(max_seqs + 1, torch.int32)
         self.block_tables = zeros(max_seqs * max_blocks, torch.int32)
         self.placeholder_slots, self.placeholder_prev_rows = zeros(max_seqs, torch.long), zeros(max_seqs, torch.long)
+        # numpy views of a host set's arrays, made once (a .numpy() call costs a microsecond or two a step)
+        self.np = {} if device.type != "cpu" else {k: v.numpy() for k, v in vars(self).items()}
+        self._shape: tuple[int, ...] | None = None
+        self._views: dict[str, torch.Tensor] = {}
 
     def tensors(self, num_tokens: int, num_seqs: int, width: int, num_logits: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[:num_tokens], "positions": self.positions[:num_tokens],
+        """The step's views of the arrays; the last shape's are kept (decode steps repeat it, and seven
+        views cost about ten microseconds)."""
+        shape = (num_tokens, num_seqs, width, num_logits)
+        if shape != self._shape:
+            self._shape, self._views = shape, {
+                "input_ids": self.input_ids[:num_tokens], "positions": self.positions[:num_tokens],
                 "slot_mapping": self.slot_mapping[:num_tokens], "logits_indices": self.logits_indices[:num_logits],
                 "seq_lens": self.seq_lens[:num_seqs], "query_start_loc": self.query_start_loc[:num_seqs + 1],
                 "block_tables": self.block_tables[:num_seqs * width].view(num_seqs, width)}
+        return self._views
