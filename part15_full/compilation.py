@@ -40,21 +40,7 @@ import time
 
 import torch
 
-COMPILATION_MODES = ("none", "piecewise", "full")
 logger = logging.getLogger(__name__)
-
-
-def resolve_compilation_mode(mode: str | None, enforce_eager: bool, device: torch.device,
-                             split_for_graphs: bool = False) -> str:
-    """The mode in effect. Default: piecewise on CUDA; none on CPU, where notebook 15 measured
-    the compiled model's decode no faster than eager (ITL p50 219 against 211 ms; its throughput
-    within the run's spread) while every start pays the compile. None, too, when the CUDA-graph
-    mode asked for splits the forward at attention itself (`split_for_graphs`, piecewise.py)."""
-    if mode is not None and mode not in COMPILATION_MODES:
-        raise ValueError(f"compilation_mode must be one of {', '.join(COMPILATION_MODES)}, got {mode!r}")
-    if enforce_eager:
-        return "none"
-    return mode or ("piecewise" if device.type == "cuda" and not split_for_graphs else "none")
 
 
 def compile_model(model: torch.nn.Module, attention_backend, mode: str) -> None:

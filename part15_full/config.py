@@ -18,7 +18,10 @@ import enum
 import json
 import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # The choices that the engine's modules implement, named here (engine.py, router.py, quantization.py,
 # structured_output/manager.py import them from here): checking a command line imports no engine code,
@@ -243,15 +246,18 @@ class EngineConfig:
         if problems:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
-    def _cudagraph_summary(self, device) -> str:
+    def _cudagraph_summary(self, device, max_step_tokens: int | None) -> str:
+        """The mode and sizes the model runner resolves the same way (before it lowers the mode for
+        the model and backend, which it logs)."""
         try:
             graphs = CompilationConfig.from_cli(self.compilation_config)
+            compiled = resolve_compilation_mode(self.compilation_mode, self.enforce_eager, device,
+                                                graphs.splits_forward()) != "none"
         except (ValueError, TypeError):
             return "(invalid --compilation-config)"
-        compiled = not self.enforce_eager and (self.compilation_mode or (
-            "piecewise" if device.type == "cuda" and not graphs.splits_forward() else "none")) != "none"
+        q = 1 + (self.num_speculative_tokens if self.speculative_method else 0)
         mode, sizes = graphs.resolve(device.type == "cuda", self.enforce_eager, compiled, self.max_num_seqs,
-                                     self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+                                     max_step_tokens or 2**31 - 1, q)
         return mode.name + (f" at {len(sizes)} sizes, {sizes[0]}..{sizes[-1]} tokens" if sizes else "")
 
     def summary(self, max_model_len: int | None = None, num_blocks: int | None = None) -> str:
@@ -300,7 +306,7 @@ class EngineConfig:
             ("structured out", self.structured_outputs_backend),
             ("kernels", f"enforce_eager {on[self.enforce_eager]}, Triton "
                         f"{on[self.use_triton if self.use_triton is not None else device.type == 'cuda']}, "
-                        f"CUDA graphs {self._cudagraph_summary(device)}"),
+                        f"CUDA graphs {self._cudagraph_summary(device, chunk)}"),
         ]
         return "effective configuration:\n" + "\n".join(f"  {k:<15} {v}" for k, v in lines)
 
@@ -350,6 +356,22 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+COMPILATION_MODES = ("none", "piecewise", "full")  # --compilation-mode (compilation.py)
+
+
+def resolve_compilation_mode(mode: str | None, enforce_eager: bool, device: torch.device,
+                             split_for_graphs: bool = False) -> str:
+    """The mode in effect. Default: piecewise on CUDA; none on CPU, where notebook 15 measured
+    the compiled model's decode no faster than eager (ITL p50 219 against 211 ms; its throughput
+    within the run's spread) while every start pays the compile. None, too, when the CUDA-graph
+    mode asked for splits the forward at attention itself (`split_for_graphs`, piecewise.py)."""
+    if mode is not None and mode not in COMPILATION_MODES:
+        raise ValueError(f"compilation_mode must be one of {', '.join(COMPILATION_MODES)}, got {mode!r}")
+    if enforce_eager:
+        return "none"
+    return mode or ("piecewise" if device.type == "cuda" and not split_for_graphs else "none")
 
 
 # --compilation-config (part 15): CUDA graphs, vLLM's JSON and field names (vllm/config/compilation.py).
@@ -458,7 +480,8 @@ def _problems(c: EngineConfig, headless: bool):
                      KV_OFFLOADING_EVICTION_POLICIES),
               one_of("--distributed-executor-backend", c.distributed_executor_backend, (None, "uni", "mp")),
               one_of("--routing-policy", c.routing_policy, ROUTING_POLICIES),
-              one_of("--structured-outputs-backend", c.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)]
+              one_of("--structured-outputs-backend", c.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS),
+              one_of("--compilation-mode", c.compilation_mode, (None, *COMPILATION_MODES))]
     yield from (p for p in checks if p)
     if c.device not in (None, "auto") and c.device.split(":")[0] not in ("cpu", "cuda"):
         yield f"--device must be cpu or cuda, got {c.device!r}"

@@ -12,7 +12,9 @@ How. `keys` holds every graph captured, "the one source of truth": FULL keys car
 count, PIECEWISE keys only the token count. `dispatch` pads the step's tokens up to the next capture
 size, then looks for a FULL graph of that shape, then a PIECEWISE one; past the largest size, or
 with no graph of the step's kind, the step runs eagerly (NONE). `capture_descs` lists what to
-capture at start-up, each mode's largest first.
+capture at start-up, each mode's largest first. FULL graphs of mixed batches (mode FULL) would need
+an attention backend that replays any batch at fixed shapes; none here does
+(paged_attention.AttentionCGSupport), so the model runner lowers that mode before it gets here.
 
 In vLLM v0.33.0: vllm/v1/cudagraph_dispatcher.py (CudagraphDispatcher: initialize_cudagraph_keys,
 dispatch) and vllm/forward_context.py (BatchDescriptor)."""
@@ -38,15 +40,14 @@ class CudagraphDispatcher:
         self.q_len, self.max_num_seqs = uniform_decode_query_len, max_num_seqs
         self.keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {CUDAGraphMode.FULL: set(), CUDAGraphMode.PIECEWISE: set()}
         mixed, decode = mode.mixed_mode(), mode.decode_mode()
+        if mixed == CUDAGraphMode.FULL:
+            raise ValueError("FULL graphs of mixed batches need an attention backend that supports them")
         for n in self.sizes:
-            if mixed != CUDAGraphMode.NONE:  # graphs for any batch of n tokens
-                self.keys[mixed].add(self._relaxed(n))
-            if decode == CUDAGraphMode.FULL and mixed != CUDAGraphMode.FULL and n % self.q_len == 0 \
+            if mixed == CUDAGraphMode.PIECEWISE:  # graphs for any batch of n tokens
+                self.keys[CUDAGraphMode.PIECEWISE].add(BatchDescriptor(n))
+            if decode == CUDAGraphMode.FULL and n % self.q_len == 0 \
                     and n // self.q_len <= max_num_seqs:  # graphs of n // q_len decoding sequences
                 self.keys[CUDAGraphMode.FULL].add(BatchDescriptor(n, n // self.q_len, True))
-
-    def _relaxed(self, n: int) -> BatchDescriptor:
-        return BatchDescriptor(n, None, False)
 
     def padded(self, num_tokens: int) -> int | None:
         """The smallest capture size >= num_tokens, or None past the largest."""
@@ -64,10 +65,8 @@ class CudagraphDispatcher:
             exact = BatchDescriptor(size, size // self.q_len, True)
             if exact in self.keys[CUDAGraphMode.FULL]:
                 return CUDAGraphMode.FULL, exact
-        relaxed = self._relaxed(size)
-        for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):  # a FULL graph for any batch (mode FULL)
-            if relaxed in self.keys[mode]:
-                return mode, relaxed
+        if BatchDescriptor(size) in self.keys[CUDAGraphMode.PIECEWISE]:
+            return CUDAGraphMode.PIECEWISE, BatchDescriptor(size)
         return CUDAGraphMode.NONE, None
 
     def capture_descs(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:

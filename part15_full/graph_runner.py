@@ -79,8 +79,6 @@ class CUDAGraphRunner(GraphRunner):
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
                  uniform_decode_query_len: int = 1, graph_cls: type = CudaGraph):
         super().__init__(model, attn)
-        if mode.mixed_mode() == CUDAGraphMode.FULL:  # graph_mode_for lowers it: no backend here has ALWAYS
-            raise ValueError("FULL graphs of mixed batches need an attention backend that supports them")
         self.mode, self.max_model_len = mode, max_model_len
         self.dispatcher = CudagraphDispatcher(mode, sizes, max_num_seqs, uniform_decode_query_len)
         device = attn.k_cache.device

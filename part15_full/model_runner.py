@@ -32,8 +32,9 @@ from shared.model import LayerFactory
 from shared.sampler import SampledBatch, Sampler, SamplingRow
 from shared.weights import resolve_model_path
 
-from .compilation import compile_model, resolve_compilation_mode
-from .config import DEFAULT_KV_CACHE_MEMORY_MB, CompilationConfig, CUDAGraphMode, EngineConfig
+from .compilation import compile_model
+from .config import (DEFAULT_KV_CACHE_MEMORY_MB, CompilationConfig, CUDAGraphMode, EngineConfig,
+                     resolve_compilation_mode)
 from .draft_model import DraftModelProposer, sample_drafts
 from .fused_moe import FusedMoE
 from .graph_runner import graph_mode_for, make_graph_runner

@@ -75,27 +75,28 @@ ATTENTION_OPS = {torch.ops.vllm_course.unified_attention_with_output,
                  torch.ops.vllm_course.unified_attention_with_output.default}
 
 
-def split_at_attention(gm: torch.fx.GraphModule, graph_cls: type) -> tuple[torch.fx.GraphModule, int]:
-    """The traced forward cut at every attention node, each other piece wrapped for PIECEWISE
-    graphs; and the number of attention nodes."""
+def _is_attention(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in ATTENTION_OPS
+
+
+def split_at_attention(gm: torch.fx.GraphModule, graph_cls: type) -> torch.fx.GraphModule:
+    """The traced forward cut before and after every attention node, each other piece wrapped for
+    PIECEWISE graphs."""
     from torch.fx.passes.split_module import split_module
 
-    part, where, num_attention = {}, 0, 0
+    part, where = {}, 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node.op == "call_function" and node.target in ATTENTION_OPS:
-            where += 1
-            part[node] = where
-            where += 1
-            num_attention += 1
+        if _is_attention(node):  # a piece of its own, between two others
+            part[node], where = where + 1, where + 2
         else:
             part[node] = where
     split = split_module(gm, None, lambda node: part[node], keep_original_order=True)
     for name, piece in list(split.named_children()):
-        if not any(n.op == "call_function" and n.target in ATTENTION_OPS for n in piece.graph.nodes):
+        if not any(_is_attention(n) for n in piece.graph.nodes):
             setattr(split, name, _Piece(piece, graph_cls))
-    return split, num_attention
+    return split
 
 
 class _Piece(torch.nn.Module):
@@ -118,7 +119,7 @@ def trace_split(model: torch.nn.Module, graph_cls: type) -> Callable:
     state = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
-        split, _ = split_at_attention(gm, graph_cls)
+        split = split_at_attention(gm, graph_cls)
         state.setdefault("modules", []).append(split)  # one per Dynamo trace (token count 1 gets its own)
         return split
 

@@ -57,7 +57,7 @@ def test_piecewise_compiled_model_keeps_hf_greedy_tokens(tiny):
 
 
 def test_modes_resolve_as_documented():
-    from part15_full.compilation import resolve_compilation_mode
+    from part15_full.config import resolve_compilation_mode
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_compilation_mode(None, False, cpu) == "none"  # measured no faster on CPU (notebook 15)

@@ -53,6 +53,22 @@ def test_mode_defaults_and_what_turns_graphs_off():
     assert explicit.resolve(True, False, False, 64, 1024) == (M.PIECEWISE, [2, 4, 8])
 
 
+def test_the_start_up_summary_names_the_mode_and_sizes_the_runner_resolves():
+    """config.summary's CUDA-graph line: the model runner's resolution (compilation mode, the step's
+    token budget, 1 + k with drafts), shown here for a CUDA device without one."""
+    import torch
+
+    cuda = torch.device("cuda")
+    c = EngineConfig(device="cpu", max_num_seqs=4)
+    assert c._cudagraph_summary(torch.device("cpu"), 1024) == "NONE"
+    assert c._cudagraph_summary(cuda, 1024) == "FULL_DECODE_ONLY at 4 sizes, 1..8 tokens"  # compiled by default
+    assert EngineConfig(device="cpu", max_num_seqs=4, compilation_mode="none")._cudagraph_summary(cuda, 1024) \
+        == "FULL_AND_PIECEWISE at 4 sizes, 1..8 tokens"
+    spec = EngineConfig(device="cpu", max_num_seqs=4, speculative_method="ngram", num_speculative_tokens=2)
+    assert spec._cudagraph_summary(cuda, 16) == "FULL_DECODE_ONLY at 3 sizes, 3..9 tokens"  # whole 3-token sequences
+    assert "CUDA graphs NONE" in c.summary(max_model_len=128)
+
+
 @pytest.mark.parametrize("flag, message", [
     ('{"cudagraph_mode": "FULLY"}', "cudagraph_mode must be one of"),
     ('{"level": 3}', "unknown field"),
@@ -62,6 +78,11 @@ def test_mode_defaults_and_what_turns_graphs_off():
 def test_compilation_config_refuses_bad_input(flag, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(compilation_config=flag, device="cpu").validate()
+
+
+def test_a_bad_compilation_mode_is_refused_before_the_model_loads():
+    with pytest.raises(ValueError, match="--compilation-mode must be one of unset, none, piecewise, full"):
+        EngineConfig(compilation_mode="max-autotune", device="cpu").validate()
 
 
 def test_graphs_need_cuda_and_an_unsplit_forward():
@@ -95,6 +116,8 @@ def test_dispatcher_pads_up_and_falls_back_past_the_largest():
     spec = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [3, 6, 9, 12], max_num_seqs=4, uniform_decode_query_len=3)
     assert spec.dispatch(6, 2, 3) == (M.FULL, BatchDescriptor(6, 2, True))
     assert spec.dispatch(5, 2, 3) == (M.PIECEWISE, BatchDescriptor(6))  # one sequence has fewer drafts
+    with pytest.raises(ValueError, match="mixed batches"):  # lowered before: no backend replays any batch
+        CudagraphDispatcher(M.FULL, [1, 2], max_num_seqs=2)
     # Capture order: each mode's largest first.
     assert [(m, [x.num_tokens for x in ds]) for m, ds in d.capture_descs()] == \
         [(M.PIECEWISE, [8, 4, 2, 1]), (M.FULL, [8, 4, 2, 1])]
