@@ -13,10 +13,11 @@ whether the step can be replayed, at which captured size; `replay` runs it. This
 captures nothing: every step runs the modules' forward, `model(input_ids, positions)`, with the
 attention backend and its metadata in the forward context. A subclass changes only how a captured
 step runs:
-- on a GPU, `CUDAGraphRunner` below: a step's inputs go into static buffers, padded up to the next
-  capture size (token ids and positions 0, KV slots -1, sequences of length 0), and the step
-  replays a FULL graph (a uniform decode batch, attention inside) or the PIECEWISE graphs around
-  eager attention (any other batch); what the dispatcher cannot fit runs eagerly;
+- on a GPU, `CUDAGraphRunner` below: a step's inputs are already in the static buffers the graphs
+  read (InputBatch's device arrays, input_batch.py), padded up to the largest capture size (KV slots
+  -1, sequences of length 0), and the step replays a FULL graph (a uniform decode batch, attention
+  inside) or the PIECEWISE graphs around eager attention (any other batch) at the next captured
+  size; what the dispatcher cannot fit runs eagerly;
 - on a CPU, cpu/graph_runner.py's `CpuGraphRunner` binds every layer's weights to the part's C
   kernels once and replays any step as one loop of kernel calls (cpu/README.md).
 The forward's result is the same either way: bit for bit on the CPU (tests/test_part15_graph_runner.py),
@@ -72,25 +73,22 @@ class GraphRunner:
 
 
 class CUDAGraphRunner(GraphRunner):
-    """Replays steps from CUDA graphs (see the module's docstring). `graph_cls`: cuda_graph.py's
-    CudaGraph, or its EagerGraph stand-in on a machine without CUDA."""
+    """Replays steps from CUDA graphs (see the module's docstring). `buffers`: InputBatch's device
+    arrays, which every step's inputs are views of (their first elements), padding written past
+    them; `graph_cls`: cuda_graph.py's CudaGraph, or its EagerGraph stand-in without CUDA."""
 
     def __init__(self, model: torch.nn.Module, attn: PagedAttention, mode: CUDAGraphMode, sizes: list[int],
-                 max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
+                 max_num_seqs: int, buffers, max_model_len: int,
                  uniform_decode_query_len: int = 1, graph_cls: type = CudaGraph):
         super().__init__(model, attn)
         self.mode, self.max_model_len = mode, max_model_len
         self.dispatcher = CudagraphDispatcher(mode, sizes, max_num_seqs, uniform_decode_query_len)
-        device = attn.k_cache.device
-        # One more than the largest size: a replay's views are then never their whole buffer, which
-        # would get a Dynamo trace of its own.
-        tokens, reqs = max(sizes) + 1, max_num_seqs + 1
-
-        def zeros(*shape, dtype=torch.long):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-        self.input_ids, self.positions, self.slot_mapping = zeros(tokens), zeros(tokens), zeros(tokens).fill_(PAD_SLOT_ID)
-        self.seq_lens, self.query_start_loc = zeros(reqs, dtype=torch.int32), zeros(reqs + 1, dtype=torch.int32)
-        self.block_tables = zeros(reqs, max_blocks_per_seq, dtype=torch.int32)
+        # Longer than the largest size by one: a replay's views are then never their whole buffer,
+        # which would get a Dynamo trace of its own.
+        assert buffers.input_ids.shape[0] > max(sizes) and buffers.seq_lens.shape[0] > max_num_seqs
+        self.input_ids, self.positions, self.slot_mapping = buffers.input_ids, buffers.positions, buffers.slot_mapping
+        self.seq_lens, self.query_start_loc = buffers.seq_lens, buffers.query_start_loc
+        self.block_tables = buffers.block_tables
         self.full = CUDAGraphWrapper(self._forward_full, CUDAGraphMode.FULL, graph_cls)
         self.piecewise = trace_split(model, graph_cls) if self.dispatcher.keys[CUDAGraphMode.PIECEWISE] else None
         self.full_metadata: dict[BatchDescriptor, PagedAttentionMetadata] = {}
@@ -153,26 +151,16 @@ class CUDAGraphRunner(GraphRunner):
         return None if desc is None else desc.num_tokens
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, size: int) -> torch.Tensor:
+        """The step's inputs are the buffers' first elements, and InputBatch wrote the padding past
+        them (KV slots -1; sequences of length 0, no queries, the null block): nothing to copy."""
         mode, desc = self._step
         n = input_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids)
-        self.input_ids[n:size].zero_()
-        self.positions[:n].copy_(positions)
-        self.positions[n:size].zero_()
-        self.slot_mapping[:n].copy_(metadata.slot_mapping)
-        self.slot_mapping[n:size].fill_(PAD_SLOT_ID)  # padding tokens store nothing
+        if input_ids.data_ptr() != self.input_ids.data_ptr() or metadata.seq_lens.data_ptr() != self.seq_lens.data_ptr():
+            raise RuntimeError("a replayed step's inputs must be views of the graphs' buffers (InputBatch.to_device)")
         ids, pos = self.input_ids[:size], self.positions[:size]
         self.replays[mode] += 1
         with cudagraph_runtime(mode, desc):
             if mode == CUDAGraphMode.FULL:
-                r, padded_r = metadata.num_seqs, desc.num_reqs
-                self.seq_lens[:r].copy_(metadata.seq_lens)
-                self.seq_lens[r:padded_r].zero_()  # padding sequences: no keys,
-                self.query_start_loc[:r + 1].copy_(metadata.query_start_loc)
-                self.query_start_loc[r + 1:padded_r + 1].fill_(n)  # no queries,
-                width = metadata.block_tables.shape[1]
-                self.block_tables[:r, :width].copy_(metadata.block_tables)
-                self.block_tables[r:padded_r].zero_()  # and the null block
                 out = self.full(ids, pos, self._metadata_for(desc))
             else:  # attention runs eagerly between the pieces, on the step's metadata
                 padded = dataclasses.replace(metadata, slot_mapping=self.slot_mapping[:size], _plan=None)

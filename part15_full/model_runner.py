@@ -24,12 +24,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from shared.device import resolve_device, resolve_dtype
 from shared.forward_context import set_forward_context
 from shared.model import LayerFactory
-from shared.sampler import SampledBatch, Sampler, SamplingRow
+from shared.sampler import SampledBatch, Sampler as RowSampler, SamplingRow
 from shared.weights import resolve_model_path
 
 from .compilation import compile_model
@@ -39,6 +40,8 @@ from .draft_model import DraftModelProposer, sample_drafts
 from .fused_moe import FusedMoE
 from .graph_runner import graph_mode_for, make_graph_runner
 from .input_batch import InputBatch
+from .sampler import Sampler
+from .sampling_metadata import SamplingMetadata, to_device
 from .kv_cache_manager import cdiv, num_blocks_for_budget
 from .memory_profiling import min_over_ranks, profile_kv_budget
 from .model_loader import get_model
@@ -127,6 +130,8 @@ class ModelInput:
     spec: SpecInput | None = None  # some sequence verifies drafts this step, or a draft model runs
     kv_connector_metadata: Any = None  # what a KV connector's scheduler side sends this step (parts 12-13)
     grammar_output: GrammarOutput | None = None  # structured outputs' bitmask (part 15)
+    sampling: SamplingMetadata | None = None  # the S rows' sampling as tensors (part 15, sampling_metadata.py)
+    host_set: int = 0  # which of InputBatch's host sets holds the step (part 15)
 
 
 @dataclass
@@ -189,18 +194,14 @@ class ModelRunner:
                                                          split_for_graphs=graph_config.splits_forward())
         compile_model(self.model, self.attn, self.compilation_mode)
         self.kv_transfer_config = resolve_kv_transfer_config(config)
-        self.sampler = Sampler()
-        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.sampler = Sampler()  # part 15: from the persistent batch's tensors (sampler.py)
+        self.rejection_sampler = RejectionSampler(RowSampler())
         self.drafter = None
         if config.speculative_method == "draft_model":
             self.drafter = DraftModelProposer(
                 self.model, config.num_speculative_tokens, self.max_model_len, self.num_blocks,
                 self.block_size, self.device, self.dtype, config.speculative_model,
                 config.speculative_draft_layers, config.load_format, config.use_triton)
-        # Part 15: each step's inputs from state kept across steps (input_batch.py).
-        self.input_batch = InputBatch(self.max_step_tokens,
-                                      config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
-                                      self.block_size, self.device)
         self.prev_sampled_token_ids: torch.Tensor | None = None
         self.kv_connector = None  # register_kv_connector
         self.kv_connector_info: dict = {}  # what the connector's scheduler half must know of it
@@ -215,11 +216,17 @@ class ModelRunner:
         # Part 15: the runner seam, captured at start-up: every forward of a step goes through it
         # (graph_runner.py), replayed from CUDA graphs where the configuration and the model allow.
         self.cudagraph_mode, reasons = self._cudagraph_mode(graph_config, config, layers)
+        graphed = self.cudagraph_mode != CUDAGraphMode.NONE
+        # Part 15: each step's inputs from state kept across steps (input_batch.py); with graphs, its
+        # device arrays are the graphs' static inputs.
+        self.input_batch = InputBatch(self.max_step_tokens, config.max_num_seqs,
+                                      cdiv(self.max_model_len, self.block_size), self.block_size, self.device,
+                                      c.vocab_size, (max(self.cudagraph_sizes), config.max_num_seqs) if graphed else None)
         graphs = None
-        if self.cudagraph_mode != CUDAGraphMode.NONE:
+        if graphed:
             graphs = dict(mode=self.cudagraph_mode, sizes=self.cudagraph_sizes, max_num_seqs=config.max_num_seqs,
-                          max_blocks_per_seq=cdiv(self.max_model_len, self.block_size),
-                          max_model_len=self.max_model_len, uniform_decode_query_len=self.uniform_decode_query_len)
+                          buffers=self.input_batch.device_arrays, max_model_len=self.max_model_len,
+                          uniform_decode_query_len=self.uniform_decode_query_len)
         for reason in reasons:
             logger.info("CUDA graphs: %s, so %s", reason, self.cudagraph_mode.name)
         self.graph_runner = make_graph_runner(self.model, self.attn, self.device, graphs)
@@ -242,17 +249,18 @@ class ModelRunner:
                        grammar_output: GrammarOutput | None = None, freed_seq_ids: Sequence[str] = ()) -> ModelInput:
         """The host half of a step: the step's tensors from the persistent block table and arrays
         (input_batch.py; `freed_seq_ids`: sequences whose blocks went back to the pool since)."""
-        ids, positions, meta, last, slots, prev = self.input_batch.prepare(batch, freed_seq_ids)
+        step = self.input_batch.prepare(batch, freed_seq_ids)
 
         def tensor(data):
-            return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
+            return to_device(torch.from_numpy(np.array(data, dtype=np.int64)), self.device)
 
         sampling = [e for e in batch if e.sampling is not None]
         spec = None
         if self.drafter is not None or any(e.draft_token_ids for e in sampling):
             spec = self._prepare_spec(batch, sampling, tensor)
-        return ModelInput(ids, positions, meta, last, slots, prev, [e.sampling for e in sampling],
-                          [e.prev_row for e in sampling], spec, kv_connector_metadata, grammar_output)
+        return ModelInput(step.input_ids, step.positions, step.metadata, step.logits_indices, step.placeholder_slots,
+                          step.placeholder_prev_rows, [e.sampling for e in sampling], [e.prev_row for e in sampling],
+                          spec, kv_connector_metadata, grammar_output, step.sampling, step.host_set)
 
     def _prepare_spec(self, batch: list[SequenceBatchEntry], sampling: list[SequenceBatchEntry],
                       tensor) -> SpecInput:
@@ -325,10 +333,7 @@ class ModelRunner:
             return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
         start = time.perf_counter()
         # On a GPU, the step's host arrays into the device's, here on the thread that runs the step.
-        (inp.input_ids, inp.positions, inp.metadata, inp.logits_indices, inp.placeholder_slots,
-         inp.placeholder_prev_rows) = self.input_batch.to_device(inp.input_ids, inp.positions, inp.metadata,
-                                                                 inp.logits_indices, inp.placeholder_slots,
-                                                                 inp.placeholder_prev_rows)
+        self.input_batch.to_device(inp)
         input_ids = inp.input_ids
         if inp.placeholder_slots is not None:
             input_ids[inp.placeholder_slots] = self.prev_sampled_token_ids[inp.placeholder_prev_rows]
@@ -343,7 +348,7 @@ class ModelRunner:
             sampled = self.rejection_sampler(logits, rows, spec.meta, draft_probs)
         elif inp.rows:
             logits = self._constrained(self.model.compute_logits(hidden[inp.logits_indices]), inp)
-            sampled = self.sampler.sample(logits, self._complete_histories(inp))
+            sampled = self.sampler.sample(logits, inp.sampling, self.prev_sampled_token_ids)
             self.prev_sampled_token_ids = sampled.token_ids
         else:  # only prefill chunks that stop short of their prompt's end: nothing to sample
             sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
@@ -359,7 +364,7 @@ class ModelRunner:
         if out is None:
             return logits
         out.wait()
-        idx = torch.tensor(out.indices, device=logits.device)
+        idx = to_device(torch.from_numpy(np.array(out.indices, dtype=np.int64)), logits.device)
         allowed = unpack_bitmask(out.bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
         logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         return logits
@@ -391,17 +396,3 @@ class ModelRunner:
         inp.input_ids[spec.draft_slots] = torch.tensor(flat, dtype=torch.long, device=self.device)
         spec.meta = SpecDecodeMetadata.from_drafts([drafts[i] for i in range(len(spec.rows))])
         return torch.stack([q for i in range(len(spec.rows)) for q in probs[i]])
-
-    def _complete_histories(self, inp: ModelInput) -> list[SamplingRow]:
-        """Penalties count a sequence's generated tokens, and the newest one may still be the
-        previous step's placeholder. Read those few ids back (vLLM patches them on the device;
-        a host read costs a sync on a GPU, only for rows with penalties)."""
-        rows = inp.rows
-        fix = [i for i, r in enumerate(rows) if inp.prev_rows[i] is not None and r.params.has_penalties]
-        if not fix:
-            return rows
-        ids = self.prev_sampled_token_ids[[inp.prev_rows[i] for i in fix]].tolist()
-        rows = list(rows)
-        for i, tok in zip(fix, ids):
-            rows[i] = dataclasses.replace(rows[i], output_token_ids=rows[i].output_token_ids + [tok])
-        return rows

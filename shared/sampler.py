@@ -173,17 +173,23 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
                             min_p: torch.Tensor) -> torch.Tensor:
     """Mask with -inf every token outside a row's top-k, top-p nucleus or min-p floor.
     top_k: [B] long (0 = off), top_p, min_p: [B] float."""
-    vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-    pos = torch.arange(vocab, device=logits.device)[None, :]
+    return torch.empty_like(logits).scatter_(1, order, mask_sorted_logits(sorted_logits, top_k, top_p, min_p))
+
+
+def mask_sorted_logits(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p_min_p on logits sorted in descending order, each row's first n of its
+    vocabulary (n >= every row's top-k: the masks only ever look at a row's best tokens)."""
+    width = sorted_logits.shape[1]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, width)).clamp(max=width)
+    pos = torch.arange(width, device=sorted_logits.device)[None, :]
     drop = pos >= k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep a token while the mass *before* it is below top_p: the first token always stays.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     drop |= probs < min_p[:, None] * probs[:, :1]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return sorted_logits.masked_fill(drop, float("-inf"))
 
 
 class Sampler:

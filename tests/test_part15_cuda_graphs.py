@@ -198,7 +198,8 @@ def test_padding_writes_no_kv(engine_results):
 
 
 def test_a_runner_that_leaves_an_input_out_of_its_buffers_is_caught(engine_results):
-    """The stand-in graph is faithful: positions not copied into the static buffer replay stale ones."""
+    """The stand-in graph is faithful: positions not copied into the device arrays (the graphs' static
+    buffers) replay stale ones."""
     r = engine_results
     assert r["stale_positions"] != r["graphs"]["eager"]
 
@@ -211,6 +212,7 @@ def _run_engine_checks(tmp: Path) -> dict:
     from part15_full import LLM
     from part15_full.cuda_graph import EagerGraph
     from part15_full.graph_runner import CUDAGraphRunner, GraphRunner
+    from part15_full.input_batch import InputBatch
 
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -224,15 +226,22 @@ def _run_engine_checks(tmp: Path) -> dict:
               max_num_seqs=4, max_num_batched_tokens=16)
     runner = llm.engine.executor.runner
 
+    def static_inputs(r, sizes):
+        """The runner's InputBatch as an engine with graphs builds it: a device set of arrays at fixed
+        addresses (the graphs' static inputs), padding written up to the largest size."""
+        r.input_batch = InputBatch(r.max_step_tokens, r.config.max_num_seqs, r.max_model_len // r.block_size,
+                                   r.block_size, r.device, r.model_config.vocab_size, (max(sizes), r.config.max_num_seqs))
+        return r.input_batch.device_arrays
+
     def run(graph_runner):
         runner.graph_runner = graph_runner
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n))
         return [o.outputs[0].token_ids for o in outs]
 
     def graphs(cls=CUDAGraphRunner):
-        gr = cls(runner.model, runner.attn, M.FULL_AND_PIECEWISE, [1, 2, 4, 8, 16], max_num_seqs=4,
-                 max_blocks_per_seq=runner.max_model_len // runner.block_size, max_model_len=runner.max_model_len,
-                 graph_cls=EagerGraph)
+        sizes = [1, 2, 4, 8, 16]
+        gr = cls(runner.model, runner.attn, M.FULL_AND_PIECEWISE, sizes, max_num_seqs=4,
+                 buffers=static_inputs(runner, sizes), max_model_len=runner.max_model_len, graph_cls=EagerGraph)
         gr.capture()
         return gr
 
@@ -270,8 +279,9 @@ def _run_engine_checks(tmp: Path) -> dict:
         outs = spec.generate([{"prompt_token_ids": p} for p in spec_prompts], greedy(12))
         return [o.outputs[0].token_ids for o in outs]
     spec_eager = run_spec(GraphRunner(spec_runner.model, spec_runner.attn))
-    spec_graphs = CUDAGraphRunner(spec_runner.model, spec_runner.attn, M.FULL_AND_PIECEWISE, [1, 2, 3, 4, 6, 8, 16],
-                                  max_num_seqs=2, max_blocks_per_seq=spec_runner.max_model_len // spec_runner.block_size,
+    spec_sizes = [1, 2, 3, 4, 6, 8, 16]
+    spec_graphs = CUDAGraphRunner(spec_runner.model, spec_runner.attn, M.FULL_AND_PIECEWISE, spec_sizes,
+                                  max_num_seqs=2, buffers=static_inputs(spec_runner, spec_sizes),
                                   max_model_len=spec_runner.max_model_len, uniform_decode_query_len=3,
                                   graph_cls=EagerGraph)
     spec_graphs.capture()
@@ -280,10 +290,19 @@ def _run_engine_checks(tmp: Path) -> dict:
                       "replays": {m.name: k for m, k in spec_graphs.replays.items()},
                       "full_shapes": sorted(d.num_tokens for d in spec_graphs.full.entries)}
 
-    class StalePositions(CUDAGraphRunner):
-        def replay(self, input_ids, positions, metadata, size):
-            return super().replay(input_ids, self.positions[:input_ids.shape[0]].clone(), metadata, size)
-    result["stale_positions"] = run(graphs(StalePositions))
+    # An InputBatch that leaves the positions out of the device arrays: eager steps read the step's
+    # own (host) positions, replays the stale ones in the graphs' buffers.
+    stale = graphs()
+    copy_all = runner.input_batch.to_device
+
+    def without_positions(step):
+        device_positions = runner.input_batch.device_arrays.positions
+        stale_values, positions = device_positions.clone(), step.positions
+        copy_all(step)
+        device_positions.copy_(stale_values)
+        step.positions = positions
+    runner.input_batch.to_device = without_positions
+    result["stale_positions"] = run(stale)
     return result
 
 

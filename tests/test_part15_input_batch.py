@@ -132,3 +132,49 @@ def test_the_block_table_writes_only_new_blocks_reuses_rows_and_grows():
     assert table.table[a].tolist() == [0] * 8  # a freed row reads the null block again
     assert table.row("d", [4]) == a  # the lowest free row first
     assert table.table[a, :2].tolist() == [4, 0]
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_host_set_is_refilled_only_after_its_copies_are_done(wait):
+    """Copies from pinned memory run while the host goes on, so the host set a step used must not be
+    refilled before they are done. A stand-in device whose copies run only when their event is waited
+    on (or at the very end): with the event waited on, every step's device arrays hold that step's
+    inputs; without it (`wait=False`), the set reused after NUM_SETS steps is overwritten first."""
+    from part15_full.input_batch import NUM_SETS, InputBatch
+    from part15_full.model_runner import SequenceBatchEntry
+
+    pending, copied = [], []
+
+    class Event:  # a CUDA event over the stand-in's queue of copies
+        def __init__(self, run):
+            self.run = run
+
+        def synchronize(self):
+            self.run()
+
+    class DeferredCopies(InputBatch):
+        def to_device(self, step):
+            def run():
+                if job in pending:
+                    pending.remove(job)
+                    InputBatch.to_device(self, step)
+                    copied.append((expected, step.input_ids.tolist(), step.positions.tolist(),
+                                   step.metadata.slot_mapping.tolist()))
+            job = run
+            expected = (step.input_ids.tolist(), step.positions.tolist(), step.metadata.slot_mapping.tolist())
+            pending.append(job)
+            self._copied[step.host_set] = Event(run) if wait else None
+
+        def _record(self):
+            return None
+
+    batch = DeferredCopies(32, 4, 8, 4, torch.device("cpu"), vocab_size=100, pad_to=(16, 4))
+    for step in range(NUM_SETS + 2):  # step NUM_SETS reuses step 0's set
+        entries = [SequenceBatchEntry([10 * step + i], 5 + step + i, [1, 2, 3, 4], None, seq_id=str(i))
+                   for i in range(3)]
+        batch.to_device(batch.prepare(entries))
+    for job in list(pending):  # the device catches up
+        job()
+    mismatched = [got for expected, *got in copied if tuple(got) != expected]
+    assert len(copied) == NUM_SETS + 2
+    assert (mismatched == []) == wait, mismatched

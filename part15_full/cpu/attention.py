@@ -120,7 +120,8 @@ def _plan(metadata: PagedAttentionMetadata, block_size: int, dtype: torch.dtype,
 
     def i32(values):
         return torch.tensor(values, dtype=torch.int32)
-    return _Plan(metadata.block_tables.to(torch.int32).contiguous(), i32(rows), i32(seqs), i32(lens),
+    tables = metadata.block_tables.to(torch.int32)  # rows may be strided (input_batch.py): the kernel takes the stride
+    return _Plan(tables if tables.stride(-1) == 1 else tables.contiguous(), i32(rows), i32(seqs), i32(lens),
                  i32(tiles + [len(rows)]), torch.tensor(tiled, dtype=torch.uint8), long,
                  metadata.slot_mapping.to(torch.int64).contiguous())
 

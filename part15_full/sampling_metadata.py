@@ -1,0 +1,168 @@
+"""Each sequence's sampling parameters kept across steps, and a step's as tensors.
+
+Why. The shared sampler (parts 01-14) reads a list of per-row objects: every step it builds
+tensors from Python lists (temperatures, top-k, top-p, token histories) and indexes device tensors
+with lists. On a GPU each of those is a copy from pageable memory, which makes the host wait for
+the step's forward: with sampling on, async scheduling (part 05) then overlaps nothing.
+
+How. A sequence's parameters are written once, into numpy arrays at its row of the persistent batch
+(the row `input_batch.BlockTable` gives it), when it first samples; a step takes its sampling rows'
+columns with one numpy gather, packed into one float buffer (`FLOATS`, top-k and the greedy flag
+included), copied to the device once. What varies per step and per row (tokens banned until
+min_tokens, logit_bias, the histories penalties count) goes in padded index arrays built with numpy,
+each one copy. Only what the host decides on (is every row greedy? does any row use top-p?) stays
+on the host, read from the same arrays. The one token the host cannot know, a history's newest
+token still in flight under async scheduling, is patched in on the device from the previous step's
+sampled ids (`prev_fix`).
+
+In vLLM v0.33.0: vllm/v1/worker/gpu_input_batch.py (InputBatch's per-request sampling arrays,
+written in add_request) and vllm/v1/sample/metadata.py (SamplingMetadata)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+# The packed float buffer's rows. top_k (< 2**24, exact in float32) and greedy (0 or 1) ride along,
+# so a step's parameters are one copy.
+FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+          "top_k", "greedy")
+ROW = {name: i for i, name in enumerate(FLOATS)}
+
+
+@dataclass
+class SamplingMetadata:
+    """One step's sampling, for its S sampling rows in batch order. Tensors are on the host until
+    `to_device`; the plain fields are what the host decides on."""
+    params: torch.Tensor  # [len(FLOATS), S] float32
+    all_greedy: bool
+    all_random: bool
+    top_k_p: bool  # some non-greedy row uses top-k, top-p or min-p
+    max_top_k: int  # every non-greedy row has a top-k: the largest (0: some row has none)
+    generators: list[tuple[int, torch.Generator]]  # (row, its generator): seeded non-greedy rows
+    num_top: list[int] | None  # logprobs each row asked for (None: no row asked)
+    ban_rows: torch.Tensor | None = None  # [Sb] rows with tokens banned (min_tokens not reached)
+    ban_ids: torch.Tensor | None = None  # [Sb, w]: their ids (a short list repeats its first id)
+    bias_rows: torch.Tensor | None = None  # [Sl] rows with a logit_bias
+    bias_ids: torch.Tensor | None = None  # [Sl, w] (padded as ban_ids)
+    bias_vals: torch.Tensor | None = None  # [Sl, w]
+    pen_rows: torch.Tensor | None = None  # [P] rows with penalties
+    repetition: bool = False  # some penalized row has a repetition penalty
+    prompt_ids: torch.Tensor | None = None  # [P, Lp]: prompts, padded with the vocabulary size
+    output_ids: torch.Tensor | None = None  # [P, Lo]: generated tokens, padded the same way
+    prev_fix: torch.Tensor | None = None  # [3, F]: (pen row, column, previous step's row) of in-flight tokens
+
+    def row(self, name: str) -> torch.Tensor:
+        return self.params[ROW[name]]
+
+    def to_device(self, device: torch.device) -> SamplingMetadata:
+        """Each tensor copied once, from pinned memory without waiting (a CPU's are already there)."""
+        if device.type != "cpu":
+            for f in fields(self):
+                value = getattr(self, f.name)
+                if isinstance(value, torch.Tensor):
+                    setattr(self, f.name, to_device(value, device))
+        return self
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: copied from pinned memory (torch's
+    caching host allocator keeps the pinned block until the copy is done). From pageable memory
+    the copy would wait for the device first."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+class SamplingState:
+    """Sampling parameters by persistent row (see the module's docstring)."""
+
+    def __init__(self, num_rows: int, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.params = np.zeros((len(FLOATS), num_rows), dtype=np.float32)
+        self.penalized = np.zeros(num_rows, dtype=bool)
+        self.num_logprobs = np.full(num_rows, -1, dtype=np.int64)
+        self.written = np.zeros(num_rows, dtype=bool)
+        self.generators: dict[int, torch.Generator] = {}
+
+    def grow(self, num_rows: int) -> None:
+        extra = num_rows - self.written.shape[0]
+        self.params = np.concatenate([self.params, np.zeros((len(FLOATS), extra), dtype=np.float32)], axis=1)
+        self.penalized = np.concatenate([self.penalized, np.zeros(extra, dtype=bool)])
+        self.num_logprobs = np.concatenate([self.num_logprobs, np.full(extra, -1, dtype=np.int64)])
+        self.written = np.concatenate([self.written, np.zeros(extra, dtype=bool)])
+
+    def write(self, row: int, sampling) -> None:
+        """A sequence's parameters into its row, on its first sampling step (`sampling`: a SamplingRow)."""
+        p = sampling.params
+        values = dict(temperature=1.0 if p.greedy else p.temperature,  # greedy rows never divide
+                      top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                      frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                      top_k=min(p.top_k, self.vocab_size), greedy=float(p.greedy))
+        self.params[:, row] = [values[name] for name in FLOATS]
+        self.penalized[row] = p.has_penalties
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        if sampling.generator is not None and not p.greedy:
+            self.generators[row] = sampling.generator
+        self.written[row] = True
+
+    def remove(self, row: int) -> None:
+        self.written[row] = False
+        self.generators.pop(row, None)
+
+    def metadata(self, rows: np.ndarray, entries: list) -> SamplingMetadata:
+        """The step's SamplingMetadata for its sampling `entries` (SequenceBatchEntry), at `rows`."""
+        params = self.params[:, rows]
+        greedy = params[ROW["greedy"]] > 0.5
+        random = ~greedy
+        top_k = params[ROW["top_k"]][random]
+        # numpy's booleans: a host decision on host arrays (no tensor is read)
+        top_k_p = (top_k > 0).any() or (params[ROW["top_p"]][random] < 1.0).any() or (params[ROW["min_p"]][random] > 0.0).any()
+        logprobs = self.num_logprobs[rows]
+        meta = SamplingMetadata(
+            torch.from_numpy(params), all_greedy=greedy.all(), all_random=not greedy.any(),
+            top_k_p=top_k_p, max_top_k=int(top_k.max()) if len(top_k) and (top_k > 0).all() else 0,
+            generators=[(i, self.generators[int(r)]) for i, r in enumerate(rows) if int(r) in self.generators]
+            if self.generators else [],
+            num_top=[max(int(n), 0) for n in logprobs] if (logprobs >= 0).any() else None)
+        banned = [(i, e.sampling.banned_token_ids) for i, e in enumerate(entries) if e.sampling.banned_token_ids]
+        if banned:
+            meta.ban_rows, meta.ban_ids = _padded(banned, np.int64)
+        bias = [(i, list(e.sampling.params.logit_bias)) for i, e in enumerate(entries) if e.sampling.params.logit_bias]
+        if bias:
+            meta.bias_rows, meta.bias_ids = _padded(bias, np.int64)
+            meta.bias_vals = _padded([(i, list(entries[i].sampling.params.logit_bias.values())) for i, _ in bias],
+                                     np.float32)[1]
+        pen = np.flatnonzero(self.penalized[rows])
+        if len(pen):
+            self._penalties(meta, pen, [entries[i] for i in pen], params)
+        return meta
+
+    def _penalties(self, meta: SamplingMetadata, pen: np.ndarray, entries: list, params: np.ndarray) -> None:
+        """The penalized rows' histories, padded with the vocabulary size (a column that is dropped);
+        a token still in flight gets a padding column, filled on the device from `prev_fix`."""
+        meta.pen_rows = torch.from_numpy(pen)
+        meta.repetition = (params[ROW["repetition_penalty"]][pen] != 1.0).any()
+        outputs = [e.sampling.output_token_ids for e in entries]
+        fix = [(j, len(out), e.prev_row) for j, (out, e) in enumerate(zip(outputs, entries)) if e.prev_row is not None]
+        width = max(len(out) for out in outputs) + (1 if fix else 0)
+        meta.output_ids = _fill(outputs, width, self.vocab_size)
+        if fix:
+            meta.prev_fix = torch.from_numpy(np.array(fix, dtype=np.int64).T.copy())
+        if meta.repetition:
+            prompts = [e.sampling.prompt_token_ids for e in entries]
+            meta.prompt_ids = _fill(prompts, max(len(p) for p in prompts), self.vocab_size)
+
+
+def _fill(lists: list[list[int]], width: int, pad: int) -> torch.Tensor:
+    out = np.full((len(lists), max(width, 1)), pad, dtype=np.int64)
+    for i, ids in enumerate(lists):
+        out[i, :len(ids)] = ids
+    return torch.from_numpy(out)
+
+
+def _padded(items: list[tuple[int, list]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, [n, w] values) from (row, values) pairs; a short list repeats its first value, so a
+    write through the padding writes what the first one did."""
+    width = max(len(v) for _, v in items)
+    values = np.array([list(v) + [v[0]] * (width - len(v)) for _, v in items], dtype=dtype)
+    return torch.from_numpy(np.array([i for i, _ in items], dtype=np.int64)), torch.from_numpy(values)
