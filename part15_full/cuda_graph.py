@@ -14,7 +14,13 @@ two attention calls (PIECEWISE, piecewise.py). It reads the step's mode and shap
 through, so FULL and PIECEWISE wrappers nest; at a shape it has not seen it captures, which is
 allowed only while the runner captures at start-up; at a captured shape it replays and returns the
 tensors the capture returned. Every graph shares one memory pool, and shapes are captured largest
-first, so a smaller graph's temporaries reuse the largest one's memory.
+first, so a smaller graph's temporaries reuse the largest one's memory. A wrapper keeps only weak
+references to those outputs (`weak_ref`: a tensor over the same memory that does not keep it
+allocated): a step replays the graphs of one size, and reads each output before a graph of another
+size replays, so the pool may reuse one size's outputs for another's. Strong references would pin
+every piece's output at every size, about 30 layers x 3 tensors x 51 sizes on a 135M model.
+`capture_session` runs the start-up capture with one garbage collection and one release of cached
+memory before it, instead of the two torch.cuda.graph makes for each of the ~1,600 captures.
 
 `CudaGraph` is the real thing. `EagerGraph` is a stand-in with the same contract for machines
 without CUDA: "capture" keeps the call and its result, "replay" calls it again and writes the
@@ -22,14 +28,18 @@ result into the tensors the capture returned. It runs the graph runner's padding
 and dispatch on a CPU; a runner that forgot to copy an input into its static buffer replays
 stale data on it as on a GPU (tests/test_part15_cuda_graphs.py).
 
-In vLLM v0.33.0: vllm/compilation/cuda_graph.py (CUDAGraphWrapper, CUDAGraphEntry) and
+In vLLM v0.33.0: vllm/compilation/cuda_graph.py (CUDAGraphWrapper, CUDAGraphEntry), vllm/utils/torch_utils.py
+(weak_ref_tensors), vllm/v1/worker/gpu_model_runner.py (capture_model: gc and empty_cache patched out) and
 vllm/forward_context.py (the runtime mode and BatchDescriptor a step publishes)."""
 from __future__ import annotations
 
+import ctypes
+import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from .config import CUDAGraphMode
@@ -55,6 +65,44 @@ def cudagraph_runtime(mode: CUDAGraphMode, desc: BatchDescriptor | None, capturi
         yield
     finally:
         _runtime = previous
+
+
+@contextmanager
+def capture_session() -> Iterator[None]:
+    """The start-up capture: garbage collected and cached memory released once, before it; inside,
+    torch.cuda.graph's own gc.collect() and empty_cache() per capture are skipped."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    collect, empty_cache = gc.collect, torch.cuda.empty_cache
+    gc.collect, torch.cuda.empty_cache = (lambda generation=2: 0), (lambda: None)
+    try:
+        yield
+    finally:
+        gc.collect, torch.cuda.empty_cache = collect, empty_cache
+
+
+class _CudaArray:
+    """Memory described by address alone (the CUDA array interface): a tensor made from it holds this
+    object, not the allocation."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+def weak_ref(x: Any) -> Any:
+    """Tensors (in tuples and lists too) as tensors over the same memory that do not keep it
+    allocated; a tensor that is not contiguous stays as it is."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(weak_ref(t) for t in x)
+    if not isinstance(x, torch.Tensor) or not x.is_contiguous() or x.numel() == 0:
+        return x
+    nbytes = x.numel() * x.element_size()
+    if x.is_cuda:
+        raw = torch.as_tensor(_CudaArray(x.data_ptr(), nbytes), device=x.device)
+    else:
+        raw = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(x.data_ptr())))
+    return raw.view(x.dtype).view(x.shape)
 
 
 class CudaGraph:
@@ -116,7 +164,7 @@ class CUDAGraphWrapper:
                 raise RuntimeError(f"no {self.mode.name} graph for {rt.desc}: graphs are captured at start-up only")
             graph = self.graph_cls()
             output = graph.capture(lambda: self.runnable(*args))
-            self.entries[rt.desc] = entry = _Entry(graph, output)
-            return output
+            self.entries[rt.desc] = _Entry(graph, weak_ref(output))
+            return output  # this forward's later pieces read it: strong until they are captured
         entry.graph.replay()
         return entry.output

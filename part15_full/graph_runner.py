@@ -38,7 +38,7 @@ from shared.forward_context import set_forward_context
 
 from .attention_metadata import PAD_SLOT_ID, PagedAttentionMetadata
 from .config import CUDAGraphMode
-from .cuda_graph import CudaGraph, CUDAGraphWrapper, cudagraph_runtime
+from .cuda_graph import CudaGraph, CUDAGraphWrapper, capture_session, cudagraph_runtime
 from .cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
 from .paged_attention import AttentionCGSupport, PagedAttention, resolve_obj_by_qualname
 from .piecewise import bind_attention, trace_split
@@ -118,11 +118,12 @@ class CUDAGraphRunner(GraphRunner):
         on_cuda = self.input_ids.is_cuda
         free = torch.cuda.mem_get_info()[0] if on_cuda else 0
         count = 0
-        for mode, descs in self.dispatcher.capture_descs():
-            for desc in descs:
-                for capturing in (False, True):
-                    self._dummy_run(mode, desc, capturing)
-                count += 1
+        with capture_session():
+            for mode, descs in self.dispatcher.capture_descs():
+                for desc in descs:
+                    for capturing in (False, True):
+                        self._dummy_run(mode, desc, capturing)
+                    count += 1
         if on_cuda:
             torch.cuda.synchronize()
             used = (free - torch.cuda.mem_get_info()[0]) / 2**30

@@ -148,10 +148,7 @@ class InputBatch:
     def prepare(self, batch, freed_seq_ids=()) -> StepInputs:
         """The step's inputs, as host tensors (the device's own on a CPU without graphs)."""
         table = self.block_table
-        for seq_id in freed_seq_ids:  # finished, aborted or preempted: their blocks went back to the pool
-            row = table.remove(seq_id)
-            if row is not None:
-                self.sampling.remove(row)
+        self.free(freed_seq_ids)
         num_seqs = len(batch)
         ids, slots, prev, last, sampling_rows, sampling_entries = [], [], [], [], [], []
         new = np.empty(num_seqs, dtype=np.int64)
@@ -223,6 +220,13 @@ class InputBatch:
         if sampling_rows:
             sampling = self.sampling.metadata(np.array(sampling_rows, dtype=np.int64), sampling_entries)
         return StepInputs(t["input_ids"], t["positions"], metadata, t["logits_indices"], *placeholders, sampling, which)
+
+    def free(self, seq_ids) -> None:
+        """Rows of sequences that finished, were aborted or preempted (their blocks went back to the pool)."""
+        for seq_id in seq_ids:
+            row = self.block_table.remove(seq_id)
+            if row is not None:
+                self.sampling.remove(row)
 
     def to_device(self, step) -> None:
         """The step's host tensors (a StepInputs, or the ModelInput that carries its fields) copied

@@ -48,8 +48,8 @@ from .model_loader import get_model
 from .quantization import get_quant_config
 from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_config
 from .moe_config import load_configs
-from .attention_metadata import PagedAttentionMetadata
-from .paged_attention import get_attention_backend
+from .attention_metadata import NULL_BLOCK_ID, PAD_SLOT_ID, PagedAttentionMetadata
+from .paged_attention import TritonAttention, get_attention_backend
 from .rejection_sampler import RejectionOutput, RejectionSampler, SpecDecodeMetadata
 from .structured_output.bitmask import unpack_bitmask
 from .structured_output.manager import GrammarOutput
@@ -222,6 +222,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_step_tokens, config.max_num_seqs,
                                       cdiv(self.max_model_len, self.block_size), self.block_size, self.device,
                                       c.vocab_size, (max(self.cudagraph_sizes), config.max_num_seqs) if graphed else None)
+        self._warm_up()
         graphs = None
         if graphed:
             graphs = dict(mode=self.cudagraph_mode, sizes=self.cudagraph_sizes, max_num_seqs=config.max_num_seqs,
@@ -230,6 +231,29 @@ class ModelRunner:
         for reason in reasons:
             logger.info("CUDA graphs: %s, so %s", reason, self.cudagraph_mode.name)
         self.graph_runner = make_graph_runner(self.model, self.attn, self.device, graphs)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """vLLM's dummy runs: a prefill step, a decode step and a one-token step on dummy inputs (KV
+        slots -1: nothing is stored) through the step's own arrays, before any request and before the
+        CUDA graphs are captured. torch.compile traces each shape class on first sight (a dimension of
+        1 is one of its own) and Triton builds a kernel variant per set of constants and argument
+        alignments: here they are built at start-up, not in the middle of a run. A CPU with nothing to
+        compile skips it."""
+        if self.compilation_mode == "none" and not isinstance(self.attn, TritonAttention):
+            return
+        start = time.perf_counter()
+        for num_seqs, q_len in ((1, 2), (2, 1), (1, 1)):
+            seq_ids = [f"warm-up {i}" for i in range(num_seqs)]
+            batch = [SequenceBatchEntry([0] * q_len, 0, [NULL_BLOCK_ID], None, seq_id=s) for s in seq_ids]
+            step = self.input_batch.prepare(batch)
+            step.metadata.slot_mapping.fill_(PAD_SLOT_ID)  # the host's copy: nothing is stored
+            self.input_batch.to_device(step)
+            with set_forward_context(self.attn, step.metadata):
+                hidden = self.model(step.input_ids, step.positions)
+            self.model.compute_logits(hidden)
+            self.input_batch.free(seq_ids)
+        logger.info("warm-up: prefill, decode and one-token steps in %.1f s", time.perf_counter() - start)
 
     def _cudagraph_mode(self, graph_config: CompilationConfig, config: EngineConfig,
                         layers) -> tuple[CUDAGraphMode, list[str]]:

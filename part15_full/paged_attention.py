@@ -148,19 +148,20 @@ class PagedAttention(AttentionBackend):
         return self.k_cache.nbytes + self.v_cache.nbytes
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               metadata: PagedAttentionMetadata) -> torch.Tensor:
-        """Store k, v [T, KV, D] in their slots of the layer's pool, then attend: q [T, H, D] -> [T, H, D]."""
+               metadata: PagedAttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Store k, v [T, KV, D] in their slots of the layer's pool, then attend: q [T, H, D] -> [T, H, D],
+        written into `out` when given (a CUDA graph's piece reads its output at a fixed address)."""
         raise NotImplementedError
 
     def bind_step(self, metadata: PagedAttentionMetadata):
-        """The step's attention, (layer_idx, q, k, v) -> out, for every layer of the step."""
+        """The step's attention, (layer_idx, q, k, v, out=None) -> out, for every layer of the step."""
         connector = self.kv_connector  # part 13: a connector may load or save layer by layer
         if connector is None:
-            return lambda layer_idx, q, k, v: self.attend(layer_idx, q, k, v, metadata)
+            return lambda layer_idx, q, k, v, out=None: self.attend(layer_idx, q, k, v, metadata, out)
 
-        def step(layer_idx, q, k, v):
+        def step(layer_idx, q, k, v, out=None):
             connector.wait_for_layer_load(layer_idx)
-            out = self.attend(layer_idx, q, k, v, metadata)
+            out = self.attend(layer_idx, q, k, v, metadata, out)
             connector.save_kv_layer(layer_idx, self.k_cache[layer_idx], self.v_cache[layer_idx], metadata)
             return out
         return step
@@ -173,10 +174,11 @@ class PagedAttention(AttentionBackend):
 class TorchAttention(PagedAttention):
     """The reference: gather + SDPA (paged_attention_ref)."""
 
-    def attend(self, layer_idx, q, k, v, metadata):
+    def attend(self, layer_idx, q, k, v, metadata, out=None):
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
         reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)
+        result = paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)
+        return result if out is None else out.copy_(result)
 
 
 class TritonAttention(PagedAttention):
@@ -184,13 +186,13 @@ class TritonAttention(PagedAttention):
     Its grid is sized by the batch's longest query, so a FULL graph holds only uniform batches."""
     cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
-    def attend(self, layer_idx, q, k, v, metadata):
+    def attend(self, layer_idx, q, k, v, metadata, out=None):
         # Imported on first use: importing triton is slow, and a CPU run never needs it.
         from . import triton_kernels
 
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
         triton_kernels.reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return triton_kernels.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        return triton_kernels.paged_attention(q, k_cache, v_cache, metadata, self.scale, out)
 
 
 # The CPU's backend, by its qualified name: the stage imports the CPU appendix only on a CPU, and only

@@ -34,7 +34,7 @@ from shared.forward_context import AttentionBackend, set_forward_context
 from .config import CUDAGraphMode
 from .cuda_graph import CUDAGraphWrapper
 
-_step_attention: Callable | None = None  # the step's (layer_idx, q, k, v) -> out, from the backend's bind_step
+_step_attention: Callable | None = None  # the step's (layer_idx, q, k, v, out), from the backend's bind_step
 
 
 @torch.library.custom_op("vllm_course::unified_attention_with_output", mutates_args=("output",))
@@ -43,7 +43,7 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if _step_attention is None:  # a capture's dummy step: attention's result does not matter there
         output.zero_()
         return
-    output.copy_(_step_attention(layer_idx, q, k, v))
+    _step_attention(layer_idx, q, k, v, out=output)  # written in place: no copy
 
 
 @unified_attention_with_output.register_fake

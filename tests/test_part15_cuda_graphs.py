@@ -159,6 +159,24 @@ def test_kv_cache_gets_what_the_profile_leaves():
         kv_cache_budget_bytes(16 * gib, 0.5, 7 * gib, 1 * gib)
 
 
+def test_a_weak_reference_shares_memory_without_keeping_it():
+    """A graph's outputs are kept as weak references (cuda_graph.weak_ref), so the pool can reuse them."""
+    import torch
+
+    from part15_full.cuda_graph import weak_ref
+
+    for dtype in (torch.float32, torch.bfloat16, torch.long):
+        t = torch.arange(6).to(dtype).view(2, 3)
+        uses = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+        w = weak_ref((t,))[0]
+        assert torch._C._storage_Use_Count(t.untyped_storage()._cdata) == uses  # the allocation is not held
+        assert (w.data_ptr(), w.shape, w.dtype) == (t.data_ptr(), t.shape, t.dtype)
+        t[1, 2] = 42
+        assert w[1, 2] == 42 and torch.equal(w, t)
+    strided = t.t()
+    assert weak_ref(strided) is strided  # not contiguous: kept as it is
+
+
 # -- the engine with graphs (in a child process: Triton under TRITON_INTERPRET=1) -------------------
 
 @pytest.fixture(scope="module")

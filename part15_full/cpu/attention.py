@@ -157,8 +157,8 @@ class CpuAttention(PagedAttention):
         return _plan(metadata, self.block_size, self.k_cache.dtype, tile_rows, self.short_run)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               metadata: PagedAttentionMetadata) -> torch.Tensor:
-        return self._cpu_step(metadata)(layer_idx, q, k, v)
+               metadata: PagedAttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._cpu_step(metadata)(layer_idx, q, k, v, out)
 
     def bind_step(self, metadata: PagedAttentionMetadata):
         if self.kv_connector is not None:  # the connector's per-layer hooks around attend: the base's step
@@ -215,8 +215,9 @@ class CpuAttentionStep:
                 heads[start:start + q_len] = sdpa(q[start:start + q_len], keys, values, backend.scale,
                                                   q_start=seq_len - q_len)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KV, D] as PagedAttention.forward takes them -> [T, H, D]."""
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KV, D] as PagedAttention.forward takes them -> [T, H, D] (into `out`)."""
         heads_packed = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
         if heads_packed and k.dtype == v.dtype == self.backend.k_cache.dtype and \
                 self.plan.slots.numel() == k.shape[0]:
@@ -227,7 +228,7 @@ class CpuAttentionStep:
                                   self.metadata.slot_mapping)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()  # the kernel needs each row's heads side by side
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
         self._attend(layer_idx, q, q.data_ptr(), q.stride(0), out.view(q.shape[0], -1))
         return out
 
