@@ -165,7 +165,10 @@ class FusedMoE(nn.Module):
 
     def _local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """Run this rank's experts on rows x, ids being local expert indices."""
-        self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=self.num_local_experts)
+        # A scatter, not bincount: bincount reads the largest id on the host to size its result. (Under
+        # a CUDA graph the count includes the padding rows' pairs.)
+        flat = ids.flatten()
+        self.tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
         return self.quant_method.apply(self, x, ids, weights)
 
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

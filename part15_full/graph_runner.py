@@ -171,15 +171,16 @@ class CUDAGraphRunner(GraphRunner):
 
 
 def graph_mode_for(mode: CUDAGraphMode, attention: AttentionCGSupport, *, piecewise_ok: bool = True,
-                   moe: bool = False, tensor_parallel: bool = False, kv_connector: bool = False
+                   moe_on_host: bool = False, tensor_parallel: bool = False, kv_connector: bool = False
                    ) -> tuple[CUDAGraphMode, list[str]]:
     """The mode this model and backend can replay, and the reasons it differs from the one asked for
     (vLLM lowers its modes the same way, by the backends' AttentionCGSupport). `piecewise_ok`: the
     forward is not torch.compiled whole, so it can be traced and split at attention."""
     if mode == CUDAGraphMode.NONE:
         return mode, []
-    if moe:
-        return CUDAGraphMode.NONE, ["the MoE kernel reads its per-expert token counts on the host"]
+    if moe_on_host:
+        return CUDAGraphMode.NONE, ["an MoE layer routes on the host (expert parallelism's all-to-all sizes, "
+                                    "or the torch reference's experts)"]
     if tensor_parallel:
         return CUDAGraphMode.NONE, ["collectives are not captured in graphs here (tensor parallelism)"]
     reasons = []

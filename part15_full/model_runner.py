@@ -265,7 +265,8 @@ class ModelRunner:
             self.device.type == "cuda", config.enforce_eager, compiled, config.max_num_seqs,
             self.max_step_tokens, self.uniform_decode_query_len)
         return graph_mode_for(mode, self.attn.cudagraph_support, piecewise_ok=not compiled,
-                              moe=any(isinstance(m, FusedMoE) for m in self.model.modules()),
+                              moe_on_host=any(isinstance(m, FusedMoE) and (m.expert_parallel or not m.use_triton)
+                                              for m in self.model.modules()),
                               tensor_parallel=layers is not None and layers.tp_size > 1,
                               kv_connector=self.kv_connector is not None)
 

@@ -131,8 +131,7 @@ def test_mode_is_lowered_to_what_the_model_and_backend_can_replay():
     assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, kv_connector=True)[0] == M.PIECEWISE
     assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, piecewise_ok=False)[0] == M.FULL_DECODE_ONLY
     assert graph_mode_for(M.PIECEWISE, uniform, piecewise_ok=False)[0] == M.NONE
-    assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, moe=True) == \
-        (M.NONE, ["the MoE kernel reads its per-expert token counts on the host"])
+    assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, moe_on_host=True)[0] == M.NONE  # expert parallelism
     assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, tensor_parallel=True)[0] == M.NONE
 
 

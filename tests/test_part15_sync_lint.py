@@ -5,8 +5,8 @@
 would stall the GPU once a step; on a CPU nothing shows it, so this test reads the code (ast).
 
 The exceptions are named with their reason: the speculative decoding's draft model (the host keeps
-each pass's drafts) and the torch reference attention (it plans on the host; the GPU's backend is
-Triton's)."""
+each pass's drafts), the torch references of attention and of the experts (the GPU runs Triton's
+kernels) and expert parallelism (its all-to-alls are sized on the host; it runs eagerly)."""
 from __future__ import annotations
 
 import ast
@@ -30,6 +30,12 @@ STEP_PATH = {
     "part15_full/triton_kernels.py": {},
     "part15_full/paged_attention.py": {
         "_reference_plan": "the torch reference plans each step on the host (it is not the GPU's backend)",
+    },
+    "part15_full/moe_kernels.py": {},
+    "part15_full/fused_moe.py": {
+        "experts_reference": "the torch reference of the experts (the CPU's; a GPU runs moe_kernels.py)",
+        "FusedMoE._expert_parallel": "expert parallelism sizes its all-to-alls on the host (runs eagerly)",
+        "FusedMoE.__init__": "", "FusedMoE.weight_loader": "",
     },
     "part15_full/attention_metadata.py": {
         "PagedAttentionMetadata.build": "metadata from lists: the draft model's passes and the earlier parts",
