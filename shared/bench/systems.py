@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import importlib
 import inspect
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable
 
 import torch
@@ -13,11 +14,80 @@ import torch
 from .workload import BenchRequest
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How every system samples the workload, on top of ignore_eos and max_tokens=output_len (always
+    set: each request yields exactly its output_len tokens). The defaults are vLLM's SamplingParams
+    defaults, so `--sampling top_p=0.9` samples at temperature 1.0; the bench's own default is GREEDY.
+    No seed unless given: unseeded sampling is what a server mostly sees (a seeded request draws from
+    its own generator, another path in vLLM and ours). A given seed goes to every request as is."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Deterministic: the same tokens every round, and in every system with the same weights."""
+        return self.temperature == 0.0
+
+    def kwargs(self) -> dict[str, Any]:
+        """SamplingParams keywords (ours and vLLM's spell them alike): temperature and what differs from
+        the defaults, so a greedy run passes exactly what it always did."""
+        default = Sampling()
+        return {k: v for k, v in asdict(self).items() if k == "temperature" or v != getattr(default, k)}
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.kwargs().items()) + ", ignore_eos, max_tokens=output_len"
+
+    def to_dict(self) -> dict[str, Any]:
+        """For a report's workload: every field, defaults included, and what every request also gets."""
+        return {**asdict(self), "ignore_eos": True, "max_tokens": "output_len"}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Sampling:
+        """to_dict's inverse; None (a report from before sampling was recorded): greedy."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d}) if d else GREEDY
+
+
+GREEDY = Sampling(temperature=0.0)
+
+
+def parse_sampling(text: str | None) -> Sampling:
+    """'temperature=1.0,top_p=0.9,top_k=50' -> Sampling; None or '' -> GREEDY. An unknown key or a
+    value out of range is refused here, before any engine loads."""
+    if not text:
+        return GREEDY
+    known = {f.name for f in fields(Sampling)}
+    values: dict[str, Any] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = (x.strip() for x in pair.partition("="))
+        if key not in known or not sep:
+            raise ValueError(f"--sampling wants key=value pairs with keys from {', '.join(sorted(known))}; "
+                             f"got {pair!r}")
+        cast = int if key in ("top_k", "seed") else float
+        try:
+            values[key] = cast(value)
+        except ValueError:
+            raise ValueError(f"--sampling {key} wants {'an integer' if cast is int else 'a number'}, "
+                             f"got {value!r}") from None
+    sampling = Sampling(**values)
+    from shared.sampling_params import SamplingParams
+
+    SamplingParams(**sampling.kwargs())  # vLLM's ranges (temperature >= 0, 0 < top_p <= 1, ...)
+    return sampling
+
+
 class BenchSystem:
     """Lifecycle: load() -> prepare(all requests) -> generate(warm-up requests) ->
     generate(all requests) [timed] -> close()."""
 
     name: str = "system"
+    sampling: Sampling = GREEDY  # what generate() samples with (a system that cannot sample refuses)
 
     def __init__(self) -> None:
         self.notes: dict[str, Any] = {}  # settings worth printing beside the numbers
@@ -64,9 +134,9 @@ class EngineSystem(BenchSystem):
 
     def __init__(self, llm: LLMSpec, model: str | None = None, device: str | None = None,
                  dtype: str | None = None, engine_kwargs: dict[str, Any] | None = None,
-                 name: str = "ours"):
+                 name: str = "ours", sampling: Sampling = GREEDY):
         super().__init__()
-        self.spec, self.name = llm, name
+        self.spec, self.name, self.sampling = llm, name, sampling
         self.model, self.device, self.dtype = model, device, dtype
         self.engine_kwargs = dict(engine_kwargs or {})
         self.llm: Any = None
@@ -106,8 +176,8 @@ class EngineSystem(BenchSystem):
 
     def generate(self, requests: list[BenchRequest], progress: bool = False) -> list[list[int]]:
         sp = self.sampling_params_cls
-        # Greedy and ignore_eos: every request produces exactly output_len tokens, in every system.
-        params = [sp(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        # ignore_eos: every request produces exactly output_len tokens, in every system.
+        params = [sp(**self.sampling.kwargs(), max_tokens=r.output_len, ignore_eos=True) for r in requests]
         prompts = [r.prompt_token_ids for r in requests]
         kwargs = {}
         if "use_tqdm" in inspect.signature(self.llm.generate).parameters:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .metrics import throughput_rates
-from .systems import BenchSystem, EngineSystem, LLMSpec, free_memory, synchronize
+from .systems import GREEDY, BenchSystem, EngineSystem, LLMSpec, Sampling, free_memory, synchronize
 from .workload import BenchRequest, Workload, make_workload
 
 BASELINES = ("hf-generate", "hf-generate-batch")
@@ -40,7 +40,7 @@ class SystemResult:
     output_tokens_per_s: float = 0.0
     total_tokens_per_s: float = 0.0
     lengths_ok: bool = True  # every request returned exactly its output_len tokens
-    matches_ours: int | None = None  # requests whose tokens equal our engine's (greedy parity)
+    matches_ours: int | None = None  # requests whose tokens equal our engine's (greedy, real weights only)
     error: str | None = None  # why the system could not run, if it could not
     notes: dict[str, Any] = field(default_factory=dict)
     token_ids: list[list[int]] | None = None  # outputs, kept when asked (not in the table)
@@ -158,7 +158,8 @@ class _Measurement:
             self.walls.append(inner if inner is not None else self.harness[-1])
             if self.outputs is None:
                 self.outputs = outputs
-            elif outputs != self.outputs:
+            # Sampled, each round draws other tokens; greedy, other tokens are a bug.
+            elif getattr(self.system, "sampling", GREEDY).greedy and outputs != self.outputs:
                 raise RuntimeError(f"round {len(self.walls)} produced other tokens than round 1")
         self._guard(step)
 
@@ -257,7 +258,8 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
                    keep_tokens: bool = False, floor: bool = True,
                    vllm_python: str | None = None,
                    vllm_kwargs: dict[str, Any] | None = None,
-                   compare: Sequence[str] = (), rounds: int = 1) -> ThroughputResult:
+                   compare: Sequence[str] = (), rounds: int = 1,
+                   sampling: Sampling = GREEDY) -> ThroughputResult:
     """Measure our engine (`llm`: a part's module name, its LLM class, a factory or an LLM
     instance) and then each baseline on `workload` (default: make_workload() for the model).
     Our engine runs first and is released before the baselines load, so on a GPU each system
@@ -269,7 +271,8 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
     other engines to measure in the same run, beside ours: "PART" or "PART:key=value,key=value"
     (e.g. "part05_async_sched:async_scheduling=False"), each with our engine kwargs that its
     EngineConfig knows plus its own. `rounds`: each system runs the workload that many times and
-    its fastest round counts (see measure_system)."""
+    its fastest round counts (see measure_system). `sampling`: what every system samples with (default
+    greedy); sampled, no tokens are compared, and the HF baselines (greedy only here) are refused."""
     from shared.device import resolve_device, resolve_dtype
     from shared.weights import resolve_model_path
 
@@ -284,6 +287,10 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
     model_path = resolve_model_path(model)
     if workload is None:
         workload = make_workload(str(model_path))
+    if baselines and not sampling.greedy:
+        # HF's GenerationConfig spells sampling otherwise (do_sample, no unseeded/seeded per request).
+        raise ValueError(f"the HF baselines ({', '.join(baselines)}) run greedy only; drop them "
+                         f"(--baselines none) to sample with {sampling.describe()}")
     engine_kwargs = dict(engine_kwargs or {})
     # Random weights (--load-format dummy): every system runs the model's shapes with its own
     # random weights, so speeds compare and tokens do not.
@@ -291,23 +298,25 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
                                                               None) or "auto"
     floor_info = _floor(model_path, workload, dev, dt) if floor else {}
 
-    ours = EngineSystem(llm, model=model, device=device, dtype=dtype, engine_kwargs=engine_kwargs)
+    ours = EngineSystem(llm, model=model, device=device, dtype=dtype, engine_kwargs=engine_kwargs,
+                        sampling=sampling)
     # HF's continuous batching gets the same batch limits as our engine when those are set.
     hf = build_baselines(baselines, model_path, dev, dt, hf_batch_size,
                          hf_max_batch_tokens or engine_kwargs.get("max_num_batched_tokens"),
                          engine_kwargs.get("max_num_seqs"), load_format)
-    compared = [_compared_engine(spec, model, device, dtype, engine_kwargs) for spec in compare]
+    compared = [_compared_engine(spec, model, device, dtype, engine_kwargs, sampling) for spec in compare]
     if rounds == 1:
         results = [measure_system(ours, workload, progress)]
         results += [measure_system(system, workload, progress) for system in compared]
         if vllm_python:  # built after ours ran: it takes ours' resolved context length and KV budget
             results.append(measure_system(_vllm_peer(vllm_python, ours, model_path, dt, engine_kwargs,
-                                                     vllm_kwargs, load_format), workload, progress))
+                                                     vllm_kwargs, load_format, sampling), workload, progress))
         results += [measure_system(system, workload, progress) for system in hf]
     else:
         first = _Measurement(ours, workload, progress)
         first.start()  # resolves ours' settings, which the peer copies; its round 1 runs on this load
-        peer = [_vllm_peer(vllm_python, ours, model_path, dt, engine_kwargs, vllm_kwargs, load_format)] \
+        peer = [_vllm_peer(vllm_python, ours, model_path, dt, engine_kwargs, vllm_kwargs, load_format,
+                           sampling)] \
             if vllm_python else []
         results = _interleave([first, *(_Measurement(s, workload, progress) for s in [*compared, *peer, *hf])],
                               rounds)
@@ -315,7 +324,8 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
     ref = results[0]
     ratios: dict[str, dict[str, float]] = {}
     for r in results[1:]:
-        if r.token_ids is not None and ref.token_ids is not None and load_format != "dummy":
+        # Tokens compare only where they must agree: greedy, on the same (real) weights.
+        if r.token_ids is not None and ref.token_ids is not None and load_format != "dummy" and sampling.greedy:
             r.matches_ours = sum(a == b for a, b in zip(r.token_ids, ref.token_ids))
         if r.error is None and ref.error is None and r.wall_s > 0:
             ratios[r.name] = {m: getattr(ref, m) / getattr(r, m) if getattr(r, m) else float("nan")
@@ -324,12 +334,12 @@ def run_throughput(llm: LLMSpec, workload: Workload | None = None, *, model: str
         if not keep_tokens:
             r.token_ids = None
     describe = {**workload.describe(), "model_path": str(model_path), "load_format": load_format,
-                "sampling": "greedy (temperature=0), ignore_eos, max_tokens=output_len"}
+                "sampling": sampling.to_dict()}
     return ThroughputResult(describe, machine_info(dev, dt), results, ratios, floor_info)
 
 
 def _compared_engine(spec: str, model: str | None, device: str | None, dtype: str | None,
-                     engine_kwargs: dict[str, Any]) -> EngineSystem:
+                     engine_kwargs: dict[str, Any], sampling: Sampling = GREEDY) -> EngineSystem:
     """ "part05_async_sched:async_scheduling=False" -> that part's engine, named "part05
     async_scheduling=False", with the shared engine kwargs its config accepts plus its own."""
     import ast
@@ -347,12 +357,13 @@ def _compared_engine(spec: str, model: str | None, device: str | None, dtype: st
     known = {f.name for f in dataclasses.fields(importlib.import_module(f"{part}.config").EngineConfig)}
     kwargs = {k: v for k, v in engine_kwargs.items() if k in known} | own
     name = " ".join([part.split("_")[0], *(f"{k}={v}" for k, v in own.items())])
-    return EngineSystem(part, model=model, device=device, dtype=dtype, engine_kwargs=kwargs, name=name)
+    return EngineSystem(part, model=model, device=device, dtype=dtype, engine_kwargs=kwargs, name=name,
+                        sampling=sampling)
 
 
 def _vllm_peer(python: str, ours: EngineSystem, model_path: Path, dtype: torch.dtype,
                engine_kwargs: dict[str, Any], vllm_kwargs: dict[str, Any] | None,
-               load_format: str = "auto") -> BenchSystem:
+               load_format: str = "auto", sampling: Sampling = GREEDY) -> BenchSystem:
     """vLLM with what our engine ran with: context length and KV budget as ours resolved them
     (fallbacks: the kwargs, then the model's context capped like ours, and 1 GiB); batch limits
     only where set for ours (else vLLM's own defaults, as for HF's continuous batching); random
@@ -368,7 +379,7 @@ def _vllm_peer(python: str, ours: EngineSystem, model_path: Path, dtype: torch.d
                           max_model_len=max_model_len, kv_cache_bytes=kv_mb * 2**20 if kv_mb else None,
                           max_num_seqs=engine_kwargs.get("max_num_seqs"),
                           max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens"),
-                          llm_kwargs=vllm_kwargs, load_format=load_format)
+                          llm_kwargs=vllm_kwargs, load_format=load_format, sampling=sampling)
 
 
 def _floor(model_path: Path, workload: Workload, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -394,6 +405,11 @@ def format_table(res: ThroughputResult) -> str:
     width = max(18, *(len(s.name) for s in res.systems))
     head = (f"{'system':<{width}} {'load s':>7} {'warm s':>7} {'wall s':>8} {'req/s':>8} {'out tok/s':>10} "
             f"{'total tok/s':>12} {'ours/this':>10} {'same tokens':>12}")
+    # Sampled, two systems' tokens (and two rounds') differ by chance: nothing to compare.
+    sampling = Sampling.from_dict(w.get("sampling"))
+    sampled = not sampling.greedy
+    if sampled:
+        lines.append(f"sampling: {sampling.describe()}: tokens are not compared")
     if w.get("load_format") == "dummy":
         lines.append("weights: dummy (random, --load-format dummy): every system runs these shapes with its "
                      "own random weights; speeds compare, tokens are not compared")
@@ -408,7 +424,7 @@ def format_table(res: ThroughputResult) -> str:
         else:
             r = res.ratios.get(s.name, {}).get("output_tokens_per_s")
             ratio = "-" if r is None else f"{r:.2f}x"
-            same = "-" if s.matches_ours is None else f"{s.matches_ours}/{n}"
+            same = "not compared" if sampled else "-" if s.matches_ours is None else f"{s.matches_ours}/{n}"
         load = "-" if s.load_s is None else f"{s.load_s:.1f}"
         flag = "" if s.lengths_ok else "  (!) output lengths differ from the workload"
         lines.append(f"{s.name:<{width}} {load:>7} {s.warmup_s:>7.1f} {s.wall_s:>8.2f} {s.requests_per_s:>8.3f} "

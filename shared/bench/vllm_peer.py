@@ -12,7 +12,8 @@ The harness's lifecycle maps onto the subprocess one to one:
               thread count, eager mode, vLLM's engine core in the runner's process: see the
               runner's env defaults); start-up is the load time, never the throughput's
 - generate()  send `generate` with the requests (token-id prompts, per-request output_len,
-              greedy, ignore_eos); the harness's warm-up call is a real vLLM warm-up. The runner
+              ignore_eos) and the sampling (greedy unless asked otherwise: vllm.SamplingParams
+              keywords); the harness's warm-up call is a real vLLM warm-up. The runner
               times only its `llm.generate` (as the harness times ours) and that is the wall
               time reported (`last_generate_s`); the harness's own clock, which adds the JSON
               round trip, is kept in the notes as harness_wall_s
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .systems import BenchSystem
+from .systems import GREEDY, BenchSystem, Sampling
 from .workload import BenchRequest
 
 PROTOCOL = "vllm-peer/2"
@@ -61,8 +62,9 @@ class VllmPeerSystem(BenchSystem):
                  runner: str | os.PathLike = RUNNER, env: dict[str, str] | None = None,
                  seed: int = 0, load_timeout_s: float = 1800.0, generate_timeout_s: float | None = None,
                  close_timeout_s: float = 60.0, log_path: str | os.PathLike | None = None,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", sampling: Sampling = GREEDY):
         super().__init__()
+        self.sampling = sampling
         self.python, self.runner = str(python), str(runner)
         self.load_msg: dict[str, Any] = {
             "op": "load", "model": str(model_path), "dtype": str(dtype).removeprefix("torch."),
@@ -119,7 +121,7 @@ class VllmPeerSystem(BenchSystem):
 
     def generate(self, requests: list[BenchRequest], progress: bool = False) -> list[list[int]]:
         self.last_generate_s = None
-        msg = {"op": "generate",
+        msg = {"op": "generate", "sampling": self.sampling.kwargs(),
                "requests": [{"prompt_token_ids": list(r.prompt_token_ids), "output_len": r.output_len}
                             for r in requests]}
         reply = self._call(msg, self.generate_timeout_s)

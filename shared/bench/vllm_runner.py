@@ -11,9 +11,11 @@ Protocol (vllm-peer/2): JSON lines in, one JSON line out per op, in order.
      "kv_cache_bytes": 1073741824, "max_num_seqs": null, "max_num_batched_tokens": null,
      "seed": 0, "enforce_eager": true, "load_format": "auto", "llm_kwargs": {}, "env": {}}
         -> {"ok": true, "load_s": ..., "versions": {...}, "settings": {...}}
-    {"op": "generate", "requests": [{"prompt_token_ids": [...], "output_len": N}, ...]}
+    {"op": "generate", "requests": [{"prompt_token_ids": [...], "output_len": N}, ...],
+     "sampling": {"temperature": 1.0, "top_p": 0.9, ...}}
         -> {"ok": true, "wall_s": ..., "cpu_s": ..., "token_ids": [[...], ...]}
-           greedy (temperature 0), ignore_eos, max_tokens = output_len; wall_s times only
+           vllm.SamplingParams(**sampling) for every request (no "sampling": greedy, temperature
+           0), with ignore_eos, max_tokens = output_len; wall_s times only
            llm.generate (with building its SamplingParams and reading the ids back, as the
            harness times our engine), never start-up
     {"op": "reset"} -> {"ok": true, "reset": true}   (llm.reset_prefix_cache(), between rounds)
@@ -151,7 +153,8 @@ class Runner:
         prompts = [{"prompt_token_ids": list(r["prompt_token_ids"])} for r in requests]
         sp = self.sampling_params_cls
         t0, c0 = time.perf_counter(), time.process_time()
-        params = [sp(temperature=0.0, max_tokens=int(r["output_len"]), ignore_eos=True) for r in requests]
+        sampling = msg.get("sampling") or {"temperature": 0.0}
+        params = [sp(**sampling, max_tokens=int(r["output_len"]), ignore_eos=True) for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=bool(msg.get("progress", False)))
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
