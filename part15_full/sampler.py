@@ -12,11 +12,14 @@ the same tokens as there (tests/test_part15_sampler.py). Three differences, none
 tokens:
 - greedy and random rows go through one pass, `torch.where` picking each row's token, instead of
   indexing the random rows with a list;
-- penalties count each penalized row's history with one scatter over padded ids, its newest token
-  patched in from the previous step's sampled ids on the device when it is still in flight;
+- the repetition penalty is read and written at the ids a row has seen (a gather and a scatter over
+  its history), not over the whole vocabulary; frequency and presence count the output with one
+  scatter; a history's newest token, still in flight, is patched in from the previous step's
+  sampled ids on the device;
 - when every random row has a top-k, only the best `max(top_k)` tokens are sorted and sampled from
-  (`topk` rather than a sort of the whole vocabulary); a seeded row still draws its noise over the
-  whole vocabulary, and reads it at its candidates, so its generator advances as before.
+  (`topk` rather than a sort of the whole vocabulary, temperature applied to those alone); a seeded
+  row still draws its noise over the whole vocabulary, and reads it at its candidates, so its
+  generator advances as before.
 
 In vLLM v0.33.0: vllm/v1/sample/sampler.py (Sampler), vllm/v1/sample/ops/penalties.py and
 vllm/v1/sample/ops/topk_topp_sampler.py (top-k / top-p, and FlashInfer's sampling kernels)."""
@@ -58,7 +61,9 @@ class Sampler:
             bias = torch.zeros_like(logits)
             bias[meta.bias_rows[:, None], meta.bias_ids] = meta.bias_vals.to(logits.dtype)
             logits = logits + bias
-        if meta.pen_rows is not None:
+        if meta.penalties and meta.pen_rows is None:  # every row
+            logits = _penalized(logits, meta, prev_sampled)
+        elif meta.penalties:
             logits = logits.clone()
             logits[meta.pen_rows] = _penalized(logits[meta.pen_rows], meta, prev_sampled)
         return logits
@@ -66,15 +71,16 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Temperature, the masks and the exponential race (argmax p / Exp(1) noise), over every row."""
-        logits = logits / meta.row("temperature")[:, None]
+        temperature = meta.row("temperature")[:, None]
         top_k, top_p, min_p = meta.row("top_k").long(), meta.row("top_p"), meta.row("min_p")
         if meta.max_top_k:  # every random row keeps at most max_top_k tokens: sample among those
-            best, candidates = logits.topk(meta.max_top_k, dim=-1)
-            probs = mask_sorted_logits(best, top_k, top_p, min_p).softmax(dim=-1)
+            best, candidates = logits.topk(meta.max_top_k, dim=-1)  # the order temperature keeps
+            probs = mask_sorted_logits(best / temperature, top_k, top_p, min_p).softmax(dim=-1)
             noise = torch.empty_like(probs).exponential_()
             for i, g in meta.generators:  # a seeded row's noise over the whole vocabulary, as before
                 noise[i] = torch.empty(logits.shape[1], device=logits.device).exponential_(generator=g)[candidates[i]]
             return candidates.gather(1, argmax_rows(probs / noise)[:, None])[:, 0]
+        logits = logits / temperature
         if meta.top_k_p:
             logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
         probs = logits.softmax(dim=-1)
@@ -86,20 +92,25 @@ class Sampler:
 
 def _penalized(logits: torch.Tensor, meta: SamplingMetadata, prev_sampled: torch.Tensor | None) -> torch.Tensor:
     """The shared sampler's apply_penalties on the penalized rows: repetition (prompt and output, HF
-    style), then frequency and presence (output only, OpenAI style)."""
-    rows, vocab = logits.shape
-    output_ids = meta.output_ids
+    style), then frequency and presence (output only, OpenAI style). The repetition penalty touches
+    only the ids a row has seen, so it is read and written there, not over the vocabulary."""
     if meta.prev_fix is not None:  # the newest token, sampled by the step before, still on the device
-        output_ids[meta.prev_fix[0], meta.prev_fix[1]] = prev_sampled[meta.prev_fix[2]]
-    out_counts = _counts(output_ids, rows, vocab)
+        row, in_output, in_seen, prev = meta.prev_fix
+        if meta.output_ids is not None:
+            meta.output_ids[row, in_output] = prev_sampled[prev]
+        if meta.seen_ids is not None:
+            meta.seen_ids[row, in_seen] = prev_sampled[prev]
+
     def param(name):
-        return meta.row(name)[meta.pen_rows][:, None]
+        values = meta.row(name)
+        return (values if meta.pen_rows is None else values[meta.pen_rows])[:, None]
     if meta.repetition:
-        rep = param("repetition_penalty")
-        seen = (_counts(meta.prompt_ids, rows, vocab) + out_counts) > 0
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    freq, pres = param("frequency_penalty"), param("presence_penalty")
-    return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
+        rep, seen = param("repetition_penalty"), logits.gather(1, meta.seen_ids)
+        logits = logits.scatter(1, meta.seen_ids, torch.where(seen > 0, seen / rep, seen * rep))
+    if meta.frequency_presence:
+        counts = _counts(meta.output_ids, *logits.shape)
+        logits = logits - param("frequency_penalty") * counts - param("presence_penalty") * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def _counts(ids: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:

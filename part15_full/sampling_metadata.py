@@ -47,11 +47,13 @@ class SamplingMetadata:
     bias_rows: torch.Tensor | None = None  # [Sl] rows with a logit_bias
     bias_ids: torch.Tensor | None = None  # [Sl, w] (padded as ban_ids)
     bias_vals: torch.Tensor | None = None  # [Sl, w]
-    pen_rows: torch.Tensor | None = None  # [P] rows with penalties
+    penalties: bool = False  # some row has a penalty
+    pen_rows: torch.Tensor | None = None  # [P] the rows with penalties (None: every row)
     repetition: bool = False  # some penalized row has a repetition penalty
-    prompt_ids: torch.Tensor | None = None  # [P, Lp]: prompts, padded with the vocabulary size
-    output_ids: torch.Tensor | None = None  # [P, Lo]: generated tokens, padded the same way
-    prev_fix: torch.Tensor | None = None  # [3, F]: (pen row, column, previous step's row) of in-flight tokens
+    frequency_presence: bool = False  # ...a frequency or presence penalty
+    seen_ids: torch.Tensor | None = None  # [P, W]: prompt and output ids (repetition), padded with the first
+    output_ids: torch.Tensor | None = None  # [P, Lo]: output ids (frequency, presence), padded with the vocab size
+    prev_fix: torch.Tensor | None = None  # [4, F]: pen row, its columns in output_ids and seen_ids, previous row
 
     def row(self, name: str) -> torch.Tensor:
         return self.params[ROW[name]]
@@ -140,23 +142,32 @@ class SamplingState:
     def _penalties(self, meta: SamplingMetadata, pen: np.ndarray, entries: list, params: np.ndarray) -> None:
         """The penalized rows' histories, padded with the vocabulary size (a column that is dropped);
         a token still in flight gets a padding column, filled on the device from `prev_fix`."""
-        meta.pen_rows = torch.from_numpy(pen)
+        meta.penalties = True
+        meta.pen_rows = None if len(pen) == len(params[0]) else torch.from_numpy(pen)
         meta.repetition = (params[ROW["repetition_penalty"]][pen] != 1.0).any()
+        meta.frequency_presence = (params[ROW["frequency_penalty"]][pen] != 0.0).any() or \
+            (params[ROW["presence_penalty"]][pen] != 0.0).any()
         outputs = [e.sampling.output_token_ids for e in entries]
-        fix = [(j, len(out), e.prev_row) for j, (out, e) in enumerate(zip(outputs, entries)) if e.prev_row is not None]
-        width = max(len(out) for out in outputs) + (1 if fix else 0)
-        meta.output_ids = _fill(outputs, width, self.vocab_size)
+        prompts = [e.sampling.prompt_token_ids for e in entries]
+        fix = [(j, len(out), len(p) + len(out), e.prev_row)
+               for j, (p, out, e) in enumerate(zip(prompts, outputs, entries)) if e.prev_row is not None]
+        extra = 1 if fix else 0  # a column for the token in flight
+        if meta.frequency_presence:  # counted over the vocabulary: padded with an id past it
+            meta.output_ids = _fill(outputs, max(len(out) for out in outputs) + extra, self.vocab_size)
+        if meta.repetition:  # read and written where they are: padded with a row's own first id
+            seen = [p + out for p, out in zip(prompts, outputs)]
+            meta.seen_ids = _fill(seen, max(len(s) for s in seen) + extra, None)
         if fix:
             meta.prev_fix = torch.from_numpy(np.array(fix, dtype=np.int64).T.copy())
-        if meta.repetition:
-            prompts = [e.sampling.prompt_token_ids for e in entries]
-            meta.prompt_ids = _fill(prompts, max(len(p) for p in prompts), self.vocab_size)
 
 
-def _fill(lists: list[list[int]], width: int, pad: int) -> torch.Tensor:
-    out = np.full((len(lists), max(width, 1)), pad, dtype=np.int64)
+def _fill(lists: list[list[int]], width: int, pad: int | None) -> torch.Tensor:
+    """[len(lists), width] ids, each row padded with `pad` (None: the row's first id)."""
+    out = np.full((len(lists), max(width, 1)), 0 if pad is None else pad, dtype=np.int64)
     for i, ids in enumerate(lists):
         out[i, :len(ids)] = ids
+        if pad is None:
+            out[i, len(ids):] = ids[0]
     return torch.from_numpy(out)
 
 

@@ -113,6 +113,11 @@ def test_a_history_token_still_in_flight_is_patched_in_from_the_device():
     assert check(KNOBS, steps=4, seed=5, in_flight=True) == 4 * len(KNOBS)
 
 
+def test_penalties_on_every_row_are_applied_in_place():
+    knobs = [k for k in KNOBS if any(name.endswith("_penalty") for name in k)]
+    assert len(knobs) == 3 and check(knobs, steps=4, seed=7, in_flight=True) == 4 * len(knobs)
+
+
 def test_a_wrong_candidate_set_is_caught():
     """The check above fails on a sampler that keeps one candidate fewer than the largest top-k."""
     from part15_full import sampler as module
@@ -135,7 +140,7 @@ def test_rows_are_written_once_and_freed():
     state.write(1, row)
     meta = state.metadata(np.array([1]), [Entry(row)])
     assert meta.row("temperature").tolist() == [0.5] and meta.max_top_k == 7 and meta.generators[0][0] == 0
-    assert not meta.all_greedy and meta.all_random and meta.pen_rows is None
+    assert not meta.all_greedy and meta.all_random and not meta.penalties
     state.remove(1)
     assert not state.written[1] and 1 not in state.generators
     state.grow(5)
