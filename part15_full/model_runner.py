@@ -174,9 +174,19 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         # The largest step: the token budget, or without chunked prefill a whole prompt.
         self.max_step_tokens = config.max_num_batched_tokens or self.max_model_len
+        # Part 15: torch.compile's mode, and the CUDA-graph mode and sizes asked for (config.py's
+        # CompilationConfig; lowered below to what this model and backend can replay).
+        graph_config = CompilationConfig.from_cli(config.compilation_config)
+        self.compilation_mode = resolve_compilation_mode(config.compilation_mode, config.enforce_eager, self.device,
+                                                         split_for_graphs=graph_config.splits_forward())
+        self.uniform_decode_query_len = 1 + (config.num_speculative_tokens if config.speculative_method else 0)
+        asked_mode, self.cudagraph_sizes = graph_config.resolve(
+            self.device.type == "cuda", config.enforce_eager, self.compilation_mode != "none", config.max_num_seqs,
+            self.max_step_tokens, self.uniform_decode_query_len)
         if config.kv_cache_memory_mb is None and self.device.type == "cuda":  # what the GPU has left (memory_profiling.py)
             budget = profile_kv_budget(self.model, self.device, self.max_step_tokens, config.max_num_seqs,
-                                       self.max_model_len, config.gpu_memory_utilization)
+                                       self.max_model_len, config.gpu_memory_utilization,
+                                       max(self.cudagraph_sizes) if asked_mode != CUDAGraphMode.NONE else 0)
             if layers is not None and layers.tp_size > 1:  # every rank holds the same blocks: the smallest budget
                 budget = min_over_ranks(budget, self.device)
         else:
@@ -189,9 +199,6 @@ class ModelRunner:
         self.attn = get_attention_backend(c.num_hidden_layers, self.num_blocks, self.block_size, attn.num_heads,
                                           attn.num_kv_heads, c.head_dim, self.dtype, self.device, config.use_triton)
         # Part 15: torch.compile of the model, attention left out of the graph (compilation.py).
-        graph_config = CompilationConfig.from_cli(config.compilation_config)
-        self.compilation_mode = resolve_compilation_mode(config.compilation_mode, config.enforce_eager, self.device,
-                                                         split_for_graphs=graph_config.splits_forward())
         compile_model(self.model, self.attn, self.compilation_mode)
         self.kv_transfer_config = resolve_kv_transfer_config(config)
         self.sampler = Sampler()  # part 15: from the persistent batch's tensors (sampler.py)
@@ -215,7 +222,7 @@ class ModelRunner:
         self.timeline: list[tuple[float, float]] | None = None  # (start, end) of each step, when on
         # Part 15: the runner seam, captured at start-up: every forward of a step goes through it
         # (graph_runner.py), replayed from CUDA graphs where the configuration and the model allow.
-        self.cudagraph_mode, reasons = self._cudagraph_mode(graph_config, config, layers)
+        self.cudagraph_mode, reasons = self._cudagraph_mode(asked_mode, layers)
         graphed = self.cudagraph_mode != CUDAGraphMode.NONE
         # Part 15: each step's inputs from state kept across steps (input_batch.py); with graphs, its
         # device arrays are the graphs' static inputs.
@@ -255,16 +262,10 @@ class ModelRunner:
             self.input_batch.free(seq_ids)
         logger.info("warm-up: prefill, decode and one-token steps in %.1f s", time.perf_counter() - start)
 
-    def _cudagraph_mode(self, graph_config: CompilationConfig, config: EngineConfig,
-                        layers) -> tuple[CUDAGraphMode, list[str]]:
-        """The CUDA-graph mode and capture sizes (config.py's CompilationConfig), lowered to what this
-        model, backend and set-up can replay (graph_runner.graph_mode_for)."""
-        self.uniform_decode_query_len = 1 + (config.num_speculative_tokens if config.speculative_method else 0)
-        compiled = self.compilation_mode != "none"
-        mode, self.cudagraph_sizes = graph_config.resolve(
-            self.device.type == "cuda", config.enforce_eager, compiled, config.max_num_seqs,
-            self.max_step_tokens, self.uniform_decode_query_len)
-        return graph_mode_for(mode, self.attn.cudagraph_support, piecewise_ok=not compiled,
+    def _cudagraph_mode(self, mode: CUDAGraphMode, layers) -> tuple[CUDAGraphMode, list[str]]:
+        """The CUDA-graph mode asked for, lowered to what this model, backend and set-up can replay
+        (graph_runner.graph_mode_for)."""
+        return graph_mode_for(mode, self.attn.cudagraph_support, piecewise_ok=self.compilation_mode == "none",
                               moe_on_host=any(isinstance(m, FusedMoE) and (m.expert_parallel or not m.use_triton)
                                               for m in self.model.modules()),
                               tensor_parallel=layers is not None and layers.tp_size > 1,

@@ -154,6 +154,8 @@ def test_kv_cache_gets_what_the_profile_leaves():
     gib = 2**30
     # 0.9 of 140 GiB, less a 3 GiB peak (weights and the largest step) and 1 GiB outside torch.
     assert kv_cache_budget_bytes(140 * gib, 0.9, 3 * gib, 1 * gib) == int(126 * gib) - 4 * gib
+    # ...and the CUDA graphs' pool: the largest graph's activations, measured by the profile.
+    assert kv_cache_budget_bytes(140 * gib, 0.9, 3 * gib, 1 * gib, 2 * gib) == int(126 * gib) - 6 * gib
     with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
         kv_cache_budget_bytes(16 * gib, 0.5, 7 * gib, 1 * gib)
 
