@@ -8,9 +8,11 @@ kernels (C++/OpenMP on a CPU, Triton on a GPU) and removes the per-op Python ove
 Attention is the part that does not compile well: paged attention reads block tables and
 sequence lengths that change every step, and its plan is data dependent. vLLM therefore splits the
 graph at every attention call ("piecewise" compilation: the pieces between attentions compiled,
-attention run as an opaque op); we do the same by excluding the attention backend from tracing
-(`torch.compiler.disable`), so each layer's graph stops before it and resumes after it. Three
-details keep the number of compiled graphs small:
+attention run as an opaque op); we do the same: attention reaches the backend through the custom op
+`vllm_course::unified_attention` (`_AttentionOp`), which Dynamo keeps as one node it does not look
+into, so the whole forward is one graph with no break (excluding the backend from tracing
+instead would break the graph at every layer: a few dozen graphs, and Python between them at every
+step). Three details keep the number of compiled graphs small:
 - `dynamic=True`: the token count varies every step; one graph serves every count (Dynamo still
   specialises counts 0 and 1, so batch-1 decode gets a graph of its own);
 - layer indices are plain ints on the modules; `allow_unspec_int_on_nn_module` stops Dynamo from
@@ -40,6 +42,8 @@ import time
 
 import torch
 
+from shared.forward_context import AttentionBackend, get_forward_context, set_forward_context
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,9 +54,9 @@ def compile_model(model: torch.nn.Module, attention_backend, mode: str) -> None:
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.allow_unspec_int_on_nn_module = True
-    if mode == "piecewise":
-        attention_backend.forward = torch.compiler.disable(attention_backend.forward)
     compiled = torch.compile(model.forward, dynamic=True)
+    if mode == "piecewise":  # attention as the one opaque op, bound to this step's backend and metadata
+        compiled = _through_attention_op(compiled)
     state = {"first": True}
 
     def forward(*args, **kwargs):
@@ -66,3 +70,46 @@ def compile_model(model: torch.nn.Module, attention_backend, mode: str) -> None:
         return out
 
     model.forward = forward
+
+
+@torch.library.custom_op("vllm_course::unified_attention", mutates_args=())
+def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """The step's attention for one layer (stores k, v in the KV cache, which is not an argument: each
+    layer's call reads the one before it, so the compiled graph keeps them in order)."""
+    from . import piecewise
+
+    return piecewise._step_attention(layer_idx, q, k, v)
+
+
+@unified_attention.register_fake
+def _(q, k, v, layer_idx):
+    return torch.empty_like(q)
+
+
+class _AttentionOp(AttentionBackend):
+    """The backend the compiled model sees: every attention call is one node of the op."""
+
+    def forward(self, layer_idx, q, k, v, metadata):
+        return torch.ops.vllm_course.unified_attention(q, k, v, layer_idx)
+
+
+def _through_attention_op(compiled):
+    """The compiled forward run with the op as its backend, the op bound to the step's attention (the
+    backend and metadata of the forward context, bound once a step)."""
+    from .piecewise import bind_attention
+
+    def forward(*args, **kwargs):
+        ctx = get_forward_context()
+        with bind_attention(_bound_step(ctx.backend, ctx.metadata)), set_forward_context(_ATTENTION_OP, None):
+            return compiled(*args, **kwargs)
+    return forward
+
+
+def _bound_step(backend, metadata):
+    """(layer_idx, q, k, v) -> out: a paged backend's bind_step, any other backend's forward."""
+    if hasattr(backend, "bind_step"):
+        return backend.bind_step(metadata)
+    return lambda layer_idx, q, k, v: backend.forward(layer_idx, q, k, v, metadata)
+
+
+_ATTENTION_OP = _AttentionOp()

@@ -50,8 +50,10 @@ def test_piecewise_compiled_model_keeps_hf_greedy_tokens(tiny):
                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == want
         assert runner.model.compile_seconds > 0  # the first step's compile, reported
-        # Dynamo made graphs, and few: the layers share theirs, token counts are dynamic.
-        assert 1 <= counters["stats"]["unique_graphs"] <= 16, dict(counters["stats"])
+        # Dynamo made graphs, and few: attention is one opaque op (no graph break), token counts are
+        # dynamic (a count of 1 gets its own graph).
+        assert 1 <= counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
     finally:
         llm.shutdown()
 

@@ -32,6 +32,7 @@ STEP_PATH = {
         "_reference_plan": "the torch reference plans each step on the host (it is not the GPU's backend)",
     },
     "part15_full/moe_kernels.py": {},
+    "part15_full/compilation.py": {},
     "part15_full/fused_moe.py": {
         "experts_reference": "the torch reference of the experts (the CPU's; a GPU runs moe_kernels.py)",
         "FusedMoE._expert_parallel": "expert parallelism sizes its all-to-alls on the host (runs eagerly)",
