@@ -37,6 +37,9 @@ environment_variables: dict[str, EnvVar] = {
         "1", "glibc keeps freed activations in the heap (mmap and trim thresholds raised)"),
     "VLLM_COURSE_CPU_WIDE_VECTORS": EnvVar(
         "1", "the C kernels compiled to prefer 512-bit vectors where the CPU has AVX-512"),
+    "VLLM_COURSE_GRAPH_STAND_IN": EnvVar(
+        "0", "tests without a GPU: --compilation-config's CUDA graphs on a CPU, each replay recomputing its "
+             "captured call (cuda_graph.EagerGraph)"),
 }
 
 

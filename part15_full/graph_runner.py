@@ -38,7 +38,7 @@ from shared.forward_context import set_forward_context
 
 from .attention_metadata import PAD_SLOT_ID, PagedAttentionMetadata
 from .config import CUDAGraphMode
-from .cuda_graph import CudaGraph, CUDAGraphWrapper, capture_session, cudagraph_runtime
+from .cuda_graph import CudaGraph, CUDAGraphWrapper, EagerGraph, capture_session, cudagraph_runtime
 from .cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
 from .paged_attention import AttentionCGSupport, PagedAttention, resolve_obj_by_qualname
 from .piecewise import bind_attention, trace_split
@@ -124,11 +124,12 @@ class CUDAGraphRunner(GraphRunner):
                     for capturing in (False, True):
                         self._dummy_run(mode, desc, capturing)
                     count += 1
+        memory = "stand-in graphs, on the CPU"
         if on_cuda:
             torch.cuda.synchronize()
-            used = (free - torch.cuda.mem_get_info()[0]) / 2**30
-            logger.info("CUDA graphs (%s) captured for %d batch shapes in %.1f s, %.2f GiB", self.mode.name,
-                        count, time.perf_counter() - start, used)
+            memory = f"{(free - torch.cuda.mem_get_info()[0]) / 2**30:.2f} GiB"
+        logger.info("CUDA graphs (%s) captured for %d batch shapes in %.1f s, %s", self.mode.name, count,
+                    time.perf_counter() - start, memory)
 
     def _dummy_run(self, mode: CUDAGraphMode, desc: BatchDescriptor, capturing: bool) -> None:
         n = desc.num_tokens
@@ -181,18 +182,19 @@ def graph_mode_for(mode: CUDAGraphMode, attention: AttentionCGSupport, *, piecew
     if moe_on_host:
         return CUDAGraphMode.NONE, ["an MoE layer routes on the host (expert parallelism's all-to-all sizes, "
                                     "or the torch reference's experts)"]
-    if tensor_parallel:
-        return CUDAGraphMode.NONE, ["collectives are not captured in graphs here (tensor parallelism)"]
     reasons = []
+    no_split = None if piecewise_ok else "the forward is torch.compiled whole, so it is not split at attention"
+    if tensor_parallel and no_split is None:
+        no_split = "the split forward's trace does not hold tensor parallelism's all-reduce (FULL graphs do)"
     if kv_connector:
         attention = AttentionCGSupport.NEVER
         reasons.append("a KV connector's per-layer hooks run on the host, between a layer's kernels")
     none, piece, full = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
     decode, mixed = mode.decode_mode(), mode.mixed_mode()
-    if not piecewise_ok and piece in (decode, mixed):
+    if no_split and piece in (decode, mixed):
         decode, mixed = (none if m == piece else m for m in (decode, mixed))
-        reasons.append("the forward is torch.compiled whole, so it is not split at attention")
-    fallback = piece if piecewise_ok else none
+        reasons.append(no_split)
+    fallback = piece if no_split is None else none
     limit = ("the attention backend plans on the host, so it cannot run inside a FULL graph"
              if attention == AttentionCGSupport.NEVER else
              "the attention backend runs inside a FULL graph only for uniform batches")
@@ -218,8 +220,8 @@ def make_graph_runner(model: torch.nn.Module, attn: PagedAttention, device: torc
     """The runner for this device, captured: CUDA graphs where `graphs` (CUDAGraphRunner's arguments
     past the model and backend) asks for them, on a CPU the C-kernel one where it applies, else eager."""
     runner = None
-    if graphs is not None and graphs["mode"] != CUDAGraphMode.NONE:
-        runner = CUDAGraphRunner(model, attn, **graphs)
+    if graphs is not None and graphs["mode"] != CUDAGraphMode.NONE:  # on a CPU: the stand-in (envs.py)
+        runner = CUDAGraphRunner(model, attn, **graphs, graph_cls=CudaGraph if device.type == "cuda" else EagerGraph)
     elif device.type == "cpu":
         runner = resolve_obj_by_qualname(CPU_GRAPH_RUNNER).build(model, attn)
     runner = runner or GraphRunner(model, attn)

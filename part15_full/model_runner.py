@@ -33,6 +33,7 @@ from shared.model import LayerFactory
 from shared.sampler import SampledBatch, Sampler as RowSampler, SamplingRow
 from shared.weights import resolve_model_path
 
+from . import envs
 from .compilation import compile_model
 from .config import (DEFAULT_KV_CACHE_MEMORY_MB, CompilationConfig, CUDAGraphMode, EngineConfig,
                      resolve_compilation_mode)
@@ -181,7 +182,7 @@ class ModelRunner:
                                                          split_for_graphs=graph_config.splits_forward())
         self.uniform_decode_query_len = 1 + (config.num_speculative_tokens if config.speculative_method else 0)
         asked_mode, self.cudagraph_sizes = graph_config.resolve(
-            self.device.type == "cuda", config.enforce_eager, self.compilation_mode != "none", config.max_num_seqs,
+            self.device.type == "cuda" or envs.VLLM_COURSE_GRAPH_STAND_IN, config.enforce_eager, self.compilation_mode != "none", config.max_num_seqs,
             self.max_step_tokens, self.uniform_decode_query_len)
         if config.kv_cache_memory_mb is None and self.device.type == "cuda":  # what the GPU has left (memory_profiling.py)
             budget = profile_kv_budget(self.model, self.device, self.max_step_tokens, config.max_num_seqs,

@@ -105,6 +105,7 @@ class MultiprocExecutor:
         self.model_path, self.model_config = info["model_path"], info["model_config"]
         self.max_model_len, self.num_blocks = info["max_model_len"], info["num_blocks"]
         self.block_size, self.kv_connector_info = info["block_size"], info["kv_connector_info"]
+        self.cudagraph_mode = info["cudagraph_mode"]  # what the ranks replay (they resolve it alike)
         self.device = torch.device("cpu")  # of the engine's generators: here they only carry seeds
 
     def _wait_ready(self, size: int, timeout: float) -> dict:

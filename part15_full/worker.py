@@ -90,7 +90,7 @@ def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_t
                 "model_path": runner.model_path, "model_config": runner.model_config,
                 "max_model_len": runner.max_model_len, "num_blocks": runner.num_blocks,
                 "block_size": runner.block_size, "kv_connector_info": runner.kv_connector_info,
-                "device": str(device)})))
+                "cudagraph_mode": runner.cudagraph_mode, "device": str(device)})))
         WorkerProc(runner, rank, steps, gone, results).run()
     except BaseException:
         try:

@@ -132,7 +132,7 @@ def test_mode_is_lowered_to_what_the_model_and_backend_can_replay():
     assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, piecewise_ok=False)[0] == M.FULL_DECODE_ONLY
     assert graph_mode_for(M.PIECEWISE, uniform, piecewise_ok=False)[0] == M.NONE
     assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, moe_on_host=True)[0] == M.NONE  # expert parallelism
-    assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, tensor_parallel=True)[0] == M.NONE
+    assert graph_mode_for(M.FULL_AND_PIECEWISE, uniform, tensor_parallel=True)[0] == M.FULL_DECODE_ONLY  # no pieces
 
 
 def test_batch_defaults_follow_the_gpu_as_vllms_server():
