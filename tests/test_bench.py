@@ -354,7 +354,7 @@ class _Rounds:
         pass
 
     def generate(self, requests, progress=False):
-        warmup = len(requests) == 1 and len(requests[0].prompt_token_ids) == 4
+        warmup = all(r.output_len <= 2 for r in requests)  # the harness's warm-up (these workloads ask 3+)
         self.calls.append("warmup" if warmup else "generate")
         if not warmup:
             self.last_generate_s = self.walls.pop(0)

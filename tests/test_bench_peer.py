@@ -112,8 +112,8 @@ def test_peer_round_trip_through_the_harness(fake):
     load = sent[0]
     assert (load["dtype"], load["threads"], load["max_model_len"]) == ("float32", 2, 8192)
     assert load["enforce_eager"] is True and load["kv_cache_bytes"] == 1 << 30
-    # The harness's warm-up is a real generate: 4 prompt tokens of the first request, 2 outputs.
-    assert sent[1]["requests"] == [{"prompt_token_ids": w.requests[0].prompt_token_ids[:4], "output_len": 2}]
+    # The harness's warm-up is a real generate: the first (up to 8) prompts whole, 2 outputs each.
+    assert sent[1]["requests"] == [{"prompt_token_ids": r.prompt_token_ids, "output_len": 2} for r in w.requests[:8]]
     assert sent[2]["requests"] == [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}
                                    for r in w.requests]
 
