@@ -182,8 +182,8 @@ class ModelRunner:
                                                          split_for_graphs=graph_config.splits_forward())
         self.uniform_decode_query_len = 1 + (config.num_speculative_tokens if config.speculative_method else 0)
         asked_mode, self.cudagraph_sizes = graph_config.resolve(
-            self.device.type == "cuda" or envs.VLLM_COURSE_GRAPH_STAND_IN, config.enforce_eager, self.compilation_mode != "none", config.max_num_seqs,
-            self.max_step_tokens, self.uniform_decode_query_len)
+            self.device.type == "cuda" or envs.VLLM_COURSE_GRAPH_STAND_IN, config.enforce_eager,
+            self.compilation_mode != "none", config.max_num_seqs, self.max_step_tokens, self.uniform_decode_query_len)
         if config.kv_cache_memory_mb is None and self.device.type == "cuda":  # what the GPU has left (memory_profiling.py)
             budget = profile_kv_budget(self.model, self.device, self.max_step_tokens, config.max_num_seqs,
                                        self.max_model_len, config.gpu_memory_utilization,
@@ -199,7 +199,7 @@ class ModelRunner:
         # Part 15: the attention backend for this device and model, chosen once (paged_attention.py).
         self.attn = get_attention_backend(c.num_hidden_layers, self.num_blocks, self.block_size, attn.num_heads,
                                           attn.num_kv_heads, c.head_dim, self.dtype, self.device, config.use_triton)
-        # Part 15: torch.compile of the model, attention left out of the graph (compilation.py).
+        # Part 15: torch.compile of the model, attention one opaque op in its graph (compilation.py).
         compile_model(self.model, self.attn, self.compilation_mode)
         self.kv_transfer_config = resolve_kv_transfer_config(config)
         self.sampler = Sampler()  # part 15: from the persistent batch's tensors (sampler.py)
@@ -251,16 +251,20 @@ class ModelRunner:
         if self.compilation_mode == "none" and not isinstance(self.attn, TritonAttention):
             return
         start = time.perf_counter()
-        for num_seqs, q_len in ((1, 2), (2, 1), (1, 1)):
-            seq_ids = [f"warm-up {i}" for i in range(num_seqs)]
-            batch = [SequenceBatchEntry([0] * q_len, 0, [NULL_BLOCK_ID], None, seq_id=s) for s in seq_ids]
-            step = self.input_batch.prepare(batch)
-            step.metadata.slot_mapping.fill_(PAD_SLOT_ID)  # the host's copy: nothing is stored
-            self.input_batch.to_device(step)
-            with set_forward_context(self.attn, step.metadata):
-                hidden = self.model(step.input_ids, step.positions)
-            self.model.compute_logits(hidden)
-            self.input_batch.free(seq_ids)
+        connector, self.attn.kv_connector = self.attn.kv_connector, None  # a dummy step loads and saves nothing
+        try:
+            for num_seqs, q_len in ((1, 2), (2, 1), (1, 1)):
+                seq_ids = [f"warm-up {i}" for i in range(num_seqs)]
+                batch = [SequenceBatchEntry([0] * q_len, 0, [NULL_BLOCK_ID], None, seq_id=s) for s in seq_ids]
+                step = self.input_batch.prepare(batch)
+                step.metadata.slot_mapping.fill_(PAD_SLOT_ID)  # the host's copy: nothing is stored
+                self.input_batch.to_device(step)
+                with set_forward_context(self.attn, step.metadata):
+                    hidden = self.model(step.input_ids, step.positions)
+                self.model.compute_logits(hidden)
+                self.input_batch.free(seq_ids)
+        finally:
+            self.attn.kv_connector = connector
         logger.info("warm-up: prefill, decode and one-token steps in %.1f s", time.perf_counter() - start)
 
     def _cudagraph_mode(self, mode: CUDAGraphMode, layers) -> tuple[CUDAGraphMode, list[str]]:
