@@ -445,3 +445,19 @@ def save_tiny(path, config, seed: int = 0, scale: float = 0.1, **save_kwargs):
             p.copy_(noise + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(path, **save_kwargs)
     return path
+
+
+def run_interpreted_script(script: str, tmp, timeout: int = 900, **env) -> dict:
+    """Run a test file as a script in a child process under TRITON_INTERPRET=1 (which must be set
+    before triton is imported) with `env` added, and return the one JSON line it prints last."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", **env,
+               PYTHONPATH=os.pathsep.join([str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, script, str(tmp)], env=env, cwd=repo, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

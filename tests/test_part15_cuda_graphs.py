@@ -14,8 +14,6 @@ file run as a script, which prints one JSON line (as tests/test_paged_kernels.py
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +24,6 @@ from part15_full.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatche
 from part15_full.graph_runner import graph_mode_for
 from part15_full.paged_attention import AttentionCGSupport
 
-REPO = Path(__file__).resolve().parents[1]
 M = CUDAGraphMode
 
 
@@ -182,12 +179,9 @@ def test_a_weak_reference_shares_memory_without_keeping_it():
 
 @pytest.fixture(scope="module")
 def engine_results(tmp_path_factory) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path_factory.mktemp("graphs"))], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from conftest import run_interpreted_script
+
+    return run_interpreted_script(__file__, tmp_path_factory.mktemp("graphs"))
 
 
 def test_graphs_give_the_eager_engines_tokens(engine_results):

@@ -10,15 +10,13 @@ child process, this file run as a script, which prints one JSON line."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import run_interpreted_script
 
 
 def host_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
@@ -54,12 +52,7 @@ def test_the_device_sort_is_the_host_sort_at_sizes_set_by_the_shapes(tokens, exp
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path_factory.mktemp("moe_graphs"))], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted_script(__file__, tmp_path_factory.mktemp("moe_graphs"))
 
 
 def test_the_grouped_gemm_matches_the_reference(results):

@@ -9,24 +9,17 @@ process, this file run as a script, which prints one JSON line (the workers' log
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import run_interpreted_script
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", VLLM_COURSE_GRAPH_STAND_IN="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path_factory.mktemp("tp_graphs"))], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted_script(__file__, tmp_path_factory.mktemp("tp_graphs"), VLLM_COURSE_GRAPH_STAND_IN="1")
 
 
 def test_tensor_parallel_ranks_replay_full_decode_graphs_with_the_eager_tokens(results):
