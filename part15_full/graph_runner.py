@@ -154,7 +154,7 @@ class CUDAGraphRunner(GraphRunner):
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, size: int) -> torch.Tensor:
         """The step's inputs are the buffers' first elements, and InputBatch wrote the padding past
-        them (KV slots -1; sequences of length 0, no queries, the null block): nothing to copy."""
+        them (KV slots -1; sequences of length 0 with no queries, whose blocks are never read): nothing to copy."""
         mode, desc = self._step
         n = input_ids.shape[0]
         if input_ids.data_ptr() != self.input_ids.data_ptr() or metadata.seq_lens.data_ptr() != self.seq_lens.data_ptr():

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention_metadata import NULL_BLOCK_ID, PAD_SLOT_ID, PagedAttentionMetadata
+from .attention_metadata import PAD_SLOT_ID, PagedAttentionMetadata
 from .sampling_metadata import SamplingMetadata, SamplingState
 
 # Sets of host arrays, used in turn. At most two steps are in flight, so step N + 3 reuses step N's set
@@ -203,8 +203,7 @@ class InputBatch:
             pad_tokens, pad_seqs = self.pad_to
             host["slot_mapping"][num_tokens:pad_tokens] = PAD_SLOT_ID
             host["seq_lens"][num_seqs:pad_seqs] = 0
-            host["query_start_loc"][num_seqs + 1:pad_seqs + 1] = num_tokens
-            host["block_tables"][num_seqs:pad_seqs] = NULL_BLOCK_ID
+            host["query_start_loc"][num_seqs + 1:pad_seqs + 1] = num_tokens  # (a padding row's blocks are never read)
         host["input_ids"][:num_tokens] = ids
         host["logits_indices"][:len(last)] = last
         t = arrays.tensors(num_tokens, num_seqs, width, len(last))
@@ -245,7 +244,7 @@ class InputBatch:
             return getattr(dev, name)[:length].copy_(getattr(host, name)[:length], non_blocking=True)
         meta = step.metadata
         step.metadata = PagedAttentionMetadata(
-            copy("slot_mapping", n)[:num_tokens], copy("block_tables", r)[:num_seqs, :meta.block_tables.shape[1]],
+            copy("slot_mapping", n)[:num_tokens], copy("block_tables", num_seqs)[:, :meta.block_tables.shape[1]],
             copy("seq_lens", r)[:num_seqs], copy("query_start_loc", r + 1)[:num_seqs + 1],
             meta.max_query_len, meta.max_seq_len)
         step.input_ids, step.positions = copy("input_ids", num_tokens), copy("positions", num_tokens)
