@@ -175,6 +175,8 @@ def check(root: Path = ROOT) -> list[str]:
     problems += solutions_figure_problems(root)
     problems += vllm_path_problems(root)
     problems += narration_problems(root)
+    problems += navigation_problems(root)
+    problems += key_ideas_problems(root)
     return problems
 
 
@@ -944,6 +946,8 @@ _NARRATION = re.compile(r"""
     | \b(?:an?|the|one|another|some)\s+(?:later|earlier|previous|next|other)\s+days?\b
     | \ba\s+day\s+(?:later|earlier|before)\b
     | \b(?:earlier|previous|prior|older)\s+(?:runs?|measurements?)\s+(?:of|on|in|before)\b
+    | \b(?:earlier|previous|prior|older)\s+builds?\b                 # the older build was faster
+    | \b(?:at|before|after|since|from|than)\s+(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b  # at f7a9808
     """, re.I | re.X)
 _SOFTWARE_SESSION = re.compile(r"\b(?:python|ipython|interactive|jupyter|notebook|http|https|client|aiohttp|"
                                r"requests|tcp|tls|ssh|shell|terminal|login|browser|tmux|kernel)\s+sessions?\b",
@@ -997,6 +1001,73 @@ def narration_problems(root: Path = ROOT) -> list[str]:
         for where, text in texts:
             problems += [f"{where}{n}: narrates how the project was made ({words}); say what the code "
                          f"is and what it measures now" for n, words in narration(text)]
+    return problems
+
+
+# ------------------------------------------------------------------------------- lesson frame
+
+_LINK = re.compile(r"\b(previous|next):\s*\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def lesson_header(text: str) -> str:
+    """A lesson's lines before its first section (## ...): the title and the links under it."""
+    head = []
+    for line in text.splitlines():
+        if line.startswith("## "):
+            break
+        head.append(line)
+    return "\n".join(head)
+
+
+def navigation_problems(root: Path = ROOT) -> list[str]:
+    """Each part's lesson links the part before it (`previous: [..](..)`) and the part after it
+    (`next: [..](..)`) in its header, and each link resolves to that part's lesson."""
+    problems = []
+    all_stages = stages(root)
+    for i, s in enumerate(all_stages):
+        lesson = s.path / "README.md"
+        if not lesson.is_file():
+            continue
+        links = {kind: target for kind, target in _LINK.findall(lesson_header(lesson.read_text()))}
+        wanted = {"previous": all_stages[i - 1] if i > 0 else None,
+                  "next": all_stages[i + 1] if i + 1 < len(all_stages) else None}
+        for kind, other in wanted.items():
+            if other is None:
+                if kind in links:
+                    problems.append(f"{s.name}/README.md: links a {kind} part, but there is none")
+                continue
+            if kind not in links:
+                problems.append(f"{s.name}/README.md: no `{kind}:` link to {other.name} under its title")
+            elif (lesson.parent / links[kind]).resolve() != (other.path / "README.md").resolve():
+                problems.append(f"{s.name}/README.md: its `{kind}:` link goes to {links[kind]}, not "
+                                f"../{other.name}/README.md")
+    return problems
+
+
+KEY_IDEAS = "## Key ideas"
+
+
+def key_ideas_problems(root: Path = ROOT) -> list[str]:
+    """Each part's lesson has a "## Key ideas" section of 3 to 6 bullets: what a reader should
+    keep from the part, in a few lines."""
+    problems = []
+    for s in stages(root):
+        lesson = s.path / "README.md"
+        if not lesson.is_file():
+            continue
+        lines = lesson.read_text().splitlines()
+        if KEY_IDEAS not in lines:
+            problems.append(f"{s.name}/README.md: no {KEY_IDEAS!r} section")
+            continue
+        body = []
+        for line in lines[lines.index(KEY_IDEAS) + 1:]:
+            if line.startswith("## "):
+                break
+            body.append(line)
+        bullets = [line for line in body if line.startswith(("- ", "* "))]
+        if not 3 <= len(bullets) <= 6:
+            problems.append(f"{s.name}/README.md: its {KEY_IDEAS!r} section has {len(bullets)} bullets, "
+                            f"not 3 to 6")
     return problems
 
 

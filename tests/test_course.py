@@ -348,6 +348,8 @@ NARRATING = [
     "Earlier runs of this table, before the kernel:",
     "an earlier run on another day measured DP 2 ahead",
     "the same VM, a day later",
+    "part 15 at f7a9808 took 41 ms a step",
+    "the older build was faster here",
 ]
 NOT_NARRATING = [
     "Start it in a Python session: `build_app(LLM(), \"m\")`.",
@@ -355,6 +357,7 @@ NOT_NARRATING = [
     "The grader runs pytest with `start_new_session=True`; so does requests.Session.",
     "The lesson spells out the rules, and each day of the week is a row.",
     "```\nsession = aiohttp.ClientSession()  # a slow spell of code is still code\n```",
+    "The kernel is at 0x7f3a2b1c in the map; the build at start-up compiles it.",
 ]
 
 
@@ -595,3 +598,39 @@ def test_a_lesson_picture_must_be_written_by_its_notebooks_committed_run(tmp_pat
         "part02_streaming/README.md embeds notebooks/figures/03_other.png without a caption",
         "part02_streaming/README.md embeds notebooks/figures/03_other.png: a lesson's picture is its own "
         "notebook's, notebooks/figures/02_*.png"]
+
+
+# ---- the lesson frame: previous/next links and the key ideas ------------------------------------
+
+def test_check_fails_on_a_missing_or_wrong_next_link(tmp_path):
+    copy_parts(tmp_path, "part01_simple_server", "part02_streaming", "part03_paged_attention")
+    # Copied alone, part 03 is the last part, and its link to part 04 leads nowhere.
+    beyond = ["part03_paged_attention/README.md: links a next part, but there is none"]
+    assert course.navigation_problems(tmp_path) == beyond
+    lesson = tmp_path / "part02_streaming" / "README.md"
+    text = lesson.read_text()
+    lesson.write_text(text.replace("../part03_paged_attention/README.md", "../part04_continuous_batching/README.md", 1))
+    assert course.navigation_problems(tmp_path) == [
+        "part02_streaming/README.md: its `next:` link goes to ../part04_continuous_batching/README.md, not "
+        "../part03_paged_attention/README.md"] + beyond
+    head, rest = text.split("\n## ", 1)
+    lesson.write_text(head.replace("next:", "onward:") + "\n## " + rest)
+    problems = course.navigation_problems(tmp_path)
+    assert problems == ["part02_streaming/README.md: no `next:` link to part03_paged_attention under its title"] + beyond
+    assert set(problems) <= set(course.check(tmp_path))
+
+
+def test_check_fails_on_a_missing_or_malformed_key_ideas_section(tmp_path):
+    copy_parts(tmp_path, "part01_simple_server")
+    assert course.key_ideas_problems(tmp_path) == []
+    lesson = tmp_path / "part01_simple_server" / "README.md"
+    text = lesson.read_text()
+    start = text.index(course.KEY_IDEAS)
+    end = text.index("\n## ", start + 1)
+    lesson.write_text(text[:start] + course.KEY_IDEAS + "\n\n- one idea\n- two ideas\n" + text[end:])
+    assert course.key_ideas_problems(tmp_path) == [
+        "part01_simple_server/README.md: its '## Key ideas' section has 2 bullets, not 3 to 6"]
+    lesson.write_text(text[:start] + text[end + 1:])
+    problems = course.key_ideas_problems(tmp_path)
+    assert problems == ["part01_simple_server/README.md: no '## Key ideas' section"]
+    assert set(problems) <= set(course.check(tmp_path))
