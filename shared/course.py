@@ -977,9 +977,10 @@ def lesson_paths(root: Path = ROOT) -> list[Path]:
 
 
 def doc_paths(root: Path = ROOT) -> list[Path]:
-    """The course's prose: the lessons, the top-level README.md and SOLUTIONS.md, deploy/README.md,
-    and the notebooks (their markdown cells)."""
-    docs = lesson_paths(root) + [root / f for f in ("README.md", "SOLUTIONS.md", "deploy/README.md")]
+    """The course's prose: the lessons, the top-level README.md, SOLUTIONS.md, LEARNING_PATH.md and
+    GLOSSARY.md, deploy/README.md, and the notebooks (their markdown cells)."""
+    docs = lesson_paths(root) + [root / f for f in ("README.md", "SOLUTIONS.md", "LEARNING_PATH.md", "GLOSSARY.md",
+                                                    "deploy/README.md")]
     return [p for p in docs if p.is_file()] + sorted((root / "notebooks").glob("*.ipynb"))
 
 
