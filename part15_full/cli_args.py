@@ -1,14 +1,17 @@
 """The API server's own flags (the engine's are EngineConfig's): who may call it, from which web
-origins, how requests are named, and how it stops.
+origins, how requests are named, how it stops, and how chat output is parsed (tool calls, reasoning).
 
     --api-key KEY [KEY ...]          (or $VLLM_API_KEY) every /v1 route needs `Authorization: Bearer KEY`
     --allowed-origins '["https://app.example"]'   CORS, with --allowed-methods, --allowed-headers
                                      (JSON lists, default ["*"]) and --allow-credentials
     --enable-request-id-headers      every response carries X-Request-Id
     --shutdown-timeout 30            on SIGTERM, let requests in flight finish for up to 30 s
+    --enable-auto-tool-choice --tool-call-parser hermes|llama3_json   tool_choice "auto" (serving_chat.py)
+(--reasoning-parser is the engine's: EngineConfig, as in vLLM, since a grammar waits for the reasoning)
 
 In vLLM: vllm/entrypoints/common/cli_args.py (FrontendArgs: api_key, allowed_origins,
-allowed_methods, allowed_headers, allow_credentials, enable_request_id_headers) and
+allowed_methods, allowed_headers, allow_credentials, enable_request_id_headers, enable_auto_tool_choice,
+tool_call_parser; reasoning_parser is an EngineArgs field there) and
 vllm/engine/arg_utils.py (EngineArgs.shutdown_timeout); $VLLM_API_KEY in vllm/envs.py."""
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ class FrontendArgs:
     # vLLM's default is 0: abort what is running at once. A drain only pays where the orchestrator
     # waits for it (Kubernetes: terminationGracePeriodSeconds > the timeout), so it is asked for.
     shutdown_timeout: float = 0.0
+    # Tool calling (serving_chat.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     @property
     def api_keys(self) -> list[str]:
@@ -60,8 +66,20 @@ class FrontendArgs:
         p.add_argument("--shutdown-timeout", type=float, default=0.0, help="on SIGTERM or Ctrl-C: refuse new "
                        "requests (503) and let those in flight finish for up to this many seconds, then abort "
                        "what is left (default 0: abort at once)")
+        from .tool_parsers import ToolParserManager
+
+        p.add_argument("--enable-auto-tool-choice", action="store_true", help="allow tool_choice \"auto\" (the "
+                       "default when a request has tools): the model may call tools, found by --tool-call-parser")
+        p.add_argument("--tool-call-parser", choices=sorted(ToolParserManager.tool_parsers), default=None,
+                       help="how the model writes tool calls (needed by --enable-auto-tool-choice)")
+
+    @staticmethod
+    def check_cli_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            p.error("--enable-auto-tool-choice needs --tool-call-parser")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> FrontendArgs:
         return cls(args.api_key, args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                   args.allow_credentials, args.enable_request_id_headers, args.shutdown_timeout)
+                   args.allow_credentials, args.enable_request_id_headers, args.shutdown_timeout,
+                   args.enable_auto_tool_choice, args.tool_call_parser)

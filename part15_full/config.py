@@ -30,6 +30,8 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware")
 QUANTIZATION_METHODS = ("int8", "int4", "gptq")  # gptq: read from the checkpoint, never applied online
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "course")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # reasoning_parsers.py's
 # Names whose classes sit in registries of their own, cache_policy.CACHE_POLICIES and
 # kv_connector_factory.py (tests/test_part15_server.py holds the lists equal).
 KV_OFFLOADING_EVICTION_POLICIES = ("lru", "arc")
@@ -197,6 +199,9 @@ class EngineConfig:
     routing_policy: str = field(default="least_loaded", metadata={
         "help": "round_robin, least_loaded (4 x waiting + running) or cache_aware (longest cached "
                 "prefix, unless the load is imbalanced)"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "deepseek_r1 or qwen3: the chat API returns the model's <think> text as message.reasoning, "
+                "and a structured-output grammar constrains only what follows </think>"})
     structured_outputs_backend: str = field(default="auto", metadata={
         "help": "who compiles response_format / structured_outputs constraints: xgrammar (every kind, "
                 "vLLM's default), course (this course's own FSM: regex and choice), auto (xgrammar)"})
@@ -213,6 +218,20 @@ class EngineConfig:
         "help": "run the model eagerly: no torch.compile, no CUDA graphs"})
     use_triton: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on "
                                                             "cuda) or the torch reference"})
+    # Requests and their defaults (request_fields.py, generation_config.py)
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "fcfs: waiting requests in arrival order, the newest running one preempted first; priority: "
+                "by (priority, arrival), lower first, the running one with the largest preempted first "
+                "(a request's `priority` field; non-zero needs this)"})
+    seed: int | None = field(default=0, metadata={
+        "help": "seed of the random state unseeded requests sample from: the same requests in the same "
+                "order sample the same tokens on every start (a request's own seed wins)"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "request defaults: auto (the model's generation_config.json: temperature, top_p, top_k, "
+                "min_p, repetition_penalty, max_new_tokens), vllm (none), or a folder holding a "
+                "generation_config.json; a request's own value wins"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template file (or the template itself) used instead of the tokenizer's"})
 
     def __post_init__(self) -> None:
         # The batch limits scale with the device (batch_defaults); set here, so every reader sees numbers.
@@ -298,7 +317,7 @@ class EngineConfig:
             ("scheduling", f"max_num_seqs {self.max_num_seqs}, step budget {chunk} tokens; chunked prefill "
                            f"{on[self.enable_chunked_prefill]}, continuous batching {on[self.continuous_batching]}, "
                            f"async scheduling {on[self.async_scheduling and not self.speculative_method]}, "
-                           f"preemption {self.preemption_mode}"),
+                           f"preemption {self.preemption_mode}, policy {self.scheduling_policy}"),
             ("speculative", spec),
             ("parallelism", f"TP {self.tensor_parallel_size} ({backend}), expert parallel "
                             f"{on[self.enable_expert_parallel]}; DP {self.data_parallel_size}: {engines}"),
@@ -481,7 +500,9 @@ def _problems(c: EngineConfig, headless: bool):
               one_of("--distributed-executor-backend", c.distributed_executor_backend, (None, "uni", "mp")),
               one_of("--routing-policy", c.routing_policy, ROUTING_POLICIES),
               one_of("--structured-outputs-backend", c.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS),
-              one_of("--compilation-mode", c.compilation_mode, (None, *COMPILATION_MODES))]
+              one_of("--reasoning-parser", c.reasoning_parser, (None, *REASONING_PARSERS)),
+              one_of("--compilation-mode", c.compilation_mode, (None, *COMPILATION_MODES)),
+              one_of("--scheduling-policy", c.scheduling_policy, SCHEDULING_POLICIES)]
     yield from (p for p in checks if p)
     if c.device not in (None, "auto") and c.device.split(":")[0] not in ("cpu", "cuda"):
         yield f"--device must be cpu or cuda, got {c.device!r}"
@@ -513,6 +534,16 @@ def _problems(c: EngineConfig, headless: bool):
         if graphs.splits_forward() and c.compilation_mode in ("piecewise", "full"):
             yield (f"--compilation-config: cudagraph_mode {graphs.cudagraph_mode} splits the model at attention "
                    f"itself; with --compilation-mode {c.compilation_mode} use FULL_DECODE_ONLY")
+    if c.generation_config not in ("auto", "vllm"):
+        from pathlib import Path
+
+        if not (Path(c.generation_config) / "generation_config.json").is_file():
+            yield f"--generation-config: no generation_config.json in {c.generation_config!r} (or: auto, vllm)"
+    if c.chat_template is not None:  # a file, or the template written inline (chat_template.py reads it)
+        from pathlib import Path
+
+        if not Path(c.chat_template).expanduser().is_file() and not any(m in c.chat_template for m in ("{{", "{%")):
+            yield f"--chat-template: {c.chat_template!r} is neither a file nor a Jinja template"
     if c.quantization_group_size != -1 and c.quantization_group_size < 1:
         yield f"--quantization-group-size must be positive (or -1: per channel), got {c.quantization_group_size}"
     budget = c.max_num_batched_tokens or (DEFAULT_MAX_NUM_BATCHED_TOKENS if c.enable_chunked_prefill else None)

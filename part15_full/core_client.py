@@ -44,7 +44,7 @@ from typing import AsyncIterator
 import zmq
 
 from shared.errors import InvalidRequestError
-from shared.outputs import CompletionOutput, Logprob, RequestOutput
+from shared.outputs import CompletionOutput, Logprob
 from shared.tokenizer import Tokenizer
 from shared.weights import resolve_model_path
 
@@ -58,6 +58,7 @@ from .messages import (EngineCoreEventType as Event, EngineCoreOutput, EngineCor
                        EngineCoreRequestType as Kind, Dead, Handshake, Ready, Rejected, decode, encode)
 from .metrics import PrometheusStatLogger
 from .multiproc_executor import threads_per_process
+from .outputs import RequestOutput  # with prompt logprobs (part 15)
 from .router import make_router
 from .stats import IterationStats, RequestTimer
 from .worker import join_all
@@ -133,7 +134,8 @@ class MPClient(EngineClient):
         self.processor = InputProcessor(self.tokenizer, info[0].model_config, self.max_model_len,
                                         min(i.num_blocks for i in info.values()), config.block_size,
                                         structured_outputs_backend=config.structured_outputs_backend,
-                                        speculative_method=config.speculative_method)
+                                        speculative_method=config.speculative_method,
+                                        scheduling_policy=config.scheduling_policy)
         self._threads = [threading.Thread(target=self._send_loop, name="engine-sender", daemon=True),
                          threading.Thread(target=self._output_loop, name="engine-outputs", daemon=True)]
         for t in self._threads:
@@ -364,7 +366,9 @@ def _delta(job: _Job, outputs: list[EngineCoreOutput]) -> RequestOutput:
             job.unfinished.discard(o.index)
     r = job.request
     kv = next((o.kv_transfer_params for o in outputs if o.kv_transfer_params is not None), None)
-    return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, completions, not job.unfinished, kv)
+    prompt = next(([None] + [{e.token_id: Logprob(e.logprob, e.rank, e.decoded_token) for e in entry}
+                             for entry in o.prompt_logprobs] for o in outputs if o.prompt_logprobs is not None), None)
+    return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, completions, not job.unfinished, kv, prompt)
 
 
 class AsyncMPClient(MPClient):

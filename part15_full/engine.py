@@ -44,6 +44,7 @@ from shared.tokenizer import Tokenizer
 from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SPECULATIVE_METHODS, EngineConfig
 from .draft_model import DraftSlots
 from .executor import Executor, make_executor
+from . import prompt_logprobs
 from .input_processor import InputProcessor
 from .messages import EngineCoreRequest
 from .kv_cache_manager import KVCacheManager
@@ -55,6 +56,7 @@ from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_c
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .spec_decode_metrics import SpecDecodingStats
 from .structured_output.manager import StructuredOutputManager
+from .structured_output.reasoning import ReasoningTags
 
 
 class LLMEngine:
@@ -99,7 +101,8 @@ class LLMEngine:
             worker_info=ex.kv_connector_info)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, max_tokens, config.continuous_batching, self.max_model_len, chunked,
-            config.long_prefill_token_threshold, config.preemption_mode), self.kv_cache_manager, self.connector,
+            config.long_prefill_token_threshold, config.preemption_mode, config.scheduling_policy),
+            self.kv_cache_manager, self.connector,
             kv_transfer.kv_load_failure_policy if kv_transfer else "fail")
         # Steps launched and not yet processed: (what was scheduled, the Future of its tokens, whether
         # a grammar constrains one of its sequences).
@@ -117,10 +120,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.processor = InputProcessor(self.tokenizer, ex.model_config, self.max_model_len, ex.num_blocks,
                                         ex.block_size, structured_outputs_backend=config.structured_outputs_backend,
-                                        speculative_method=config.speculative_method)
+                                        speculative_method=config.speculative_method,
+                                        scheduling_policy=config.scheduling_policy)
         self.eos_token_ids = self.processor.eos_token_ids
         self.structured: StructuredOutputManager = self.processor.structured
         self.waiting_for_fsm: list[tuple[Sequence, Future]] = []  # vLLM: RequestStatus.WAITING_FOR_FSM
+        # --reasoning-parser: a grammar waits for </think> (None: no parser, or tags that are not tokens)
+        self.reasoning_tags = ReasoningTags.of(self.tokenizer) if config.reasoning_parser else None
 
     def add_request(self, core: EngineCoreRequest) -> Request:
         """Take a validated request (InputProcessor's): build its sequences, detokenizer states and
@@ -130,10 +136,13 @@ class LLMEngine:
                                        self.max_model_len) for i in range(params.n)]
         request = Request(core.request_id, core.prompt, core.prompt_token_ids, params, completions,
                           make_generators(params.seed, params.n, self.executor.device), cache_salt=core.cache_salt,
-                          kv_transfer_params=core.kv_transfer_params)
+                          kv_transfer_params=core.kv_transfer_params, priority=core.priority,
+                          arrival_time=core.arrival_time)
         self.requests[request.request_id] = request
         for seq in request.sequences:
             if getattr(params, "structured_outputs", None) is not None:  # one grammar per sequence
+                if self.reasoning_tags is not None:  # the grammar starts after the reasoning
+                    seq.reasoning_ended = self.reasoning_tags.ended_in(core.prompt_token_ids)
                 self.waiting_for_fsm.append((seq, self.structured.compile_async(params)))
             else:
                 self.scheduler.add(seq)
@@ -196,6 +205,9 @@ class LLMEngine:
         failed = []
         if result.kv_connector_output is not None:
             failed = self.scheduler.update_from_kv_connector(result.kv_connector_output)
+        if result.prompt_logprobs is not None:  # before the first token's output goes out
+            prompt_logprobs.record(result.prompt_logprobs, {s.seq_id: s for s, _ in out.scheduled},
+                                   self.tokenizer.decode)
         touched = self._update_from_output(out, result.sampled)
         for seq in failed:  # kv_load_failure_policy "fail": the request ends with an error
             seq.state.abort("error")
@@ -229,11 +241,14 @@ class LLMEngine:
     def _launch(self, out: SchedulerOutput) -> tuple[SchedulerOutput, object, bool]:
         """Send the step to the executor, with the grammars' bitmask for the rows they constrain:
         filled while the forward runs when the model runs on another thread, else before."""
-        plans, row = [], 0
+        plans, row, constrained = [], 0, False
         for (seq, _), samples, drafts in zip(out.scheduled, out.samples, out.spec_token_ids):
             if samples:
                 if seq.grammar is not None:
-                    plans.append((seq.grammar, row, drafts))
+                    # a sequence still reasoning gets no mask, but its token decides the next mask
+                    constrained = True
+                    if seq.reasoning_ended:
+                        plans.append((seq.grammar, row, drafts))
                 row += len(drafts) + 1
         fill_later = self.executor.runs_elsewhere
         grammar = self.structured.grammar_output(plans, fill_later)
@@ -243,7 +258,7 @@ class LLMEngine:
                                              out.kv_connector_metadata, grammar, [s.seq_id for s in out.preempted])
         if grammar is not None and fill_later:
             self.structured.fill(grammar)
-        return out, future, grammar is not None
+        return out, future, constrained
 
     def _propose_drafts(self) -> None:
         """Drafts for every decoding sequence, at most what it may still generate minus the one
@@ -259,7 +274,8 @@ class LLMEngine:
                 room = min(room, max_tokens - seq.num_output_tokens - 1)
             seq.spec_token_ids = self.proposer.propose(seq.token_ids, room) if room > 0 else []
             if seq.grammar is not None and seq.spec_token_ids:  # only drafts the grammar accepts
-                seq.spec_token_ids = seq.grammar.validate_tokens(seq.spec_token_ids)
+                # (none while reasoning: a draft past </think> would skip the grammar's first mask)
+                seq.spec_token_ids = seq.grammar.validate_tokens(seq.spec_token_ids) if seq.reasoning_ended else []
 
     def _batch_entries(self, out: SchedulerOutput) -> list[SequenceBatchEntry]:
         kv, entries, rows = self.kv_cache_manager, [], {}
@@ -275,6 +291,7 @@ class LLMEngine:
             entry = SequenceBatchEntry(known, start, kv.get_block_ids(seq.seq_id), row, prev_row, seq.seq_id, drafts)
             if samples:
                 entry.min_tokens_left = seq.request.params.min_tokens - len(seq.state.token_ids)
+            entry.prompt_logprobs = prompt_logprobs.spec_for(seq, start, n)  # part 15: if its request asks
             if self.uses_draft_model:  # the known tokens its KV cache lacks (see _advance_draft)
                 frontier = start if seq.num_draft_computed is None else seq.num_draft_computed
                 entry.draft_input_ids = seq.token_ids[frontier:start + n]
@@ -289,6 +306,9 @@ class LLMEngine:
         produced = len(state.token_ids) + token_in_flight  # before the token this step samples
         banned = () if produced >= params.min_tokens else (*state.eos_token_ids, *params.stop_token_ids)
         history = list(state.token_ids) if params.has_penalties else []
+        words = getattr(params, "bad_words_token_ids", None)
+        if words and not history:  # a multi-token bad word compares the last tokens only
+            history = list(state.token_ids[max(0, len(state.token_ids) - max(len(w) for w in words) + 1):])
         return SamplingRow(params, seq.generator, seq.request.prompt_token_ids, history, banned)
 
     def _update_from_output(self, out: SchedulerOutput, sampled) -> list[Request]:
@@ -316,7 +336,10 @@ class LLMEngine:
                 else:
                     seq.append(token, output.logprobs[j], output.top_logprobs[j], output.ranks[j])
                 if seq.grammar is not None and not seq.finished:
-                    self._advance_grammar(seq, token)
+                    if seq.reasoning_ended:
+                        self._advance_grammar(seq, token)
+                    else:  # the reasoning's tokens are not the grammar's; </think> ends it
+                        seq.reasoning_ended = token == self.reasoning_tags.end_id
                 if seq.finished:
                     break  # nothing past the stop is kept
             if seq.finished:

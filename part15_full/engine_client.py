@@ -37,9 +37,10 @@ class EngineClient(ABC):
     processor: InputProcessor
 
     def process_inputs(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> EngineCoreRequest:
+                       cache_salt: str | None = None, kv_transfer_params: dict | None = None,
+                       priority: int = 0) -> EngineCoreRequest:
         """Validate and tokenize: raises InvalidRequestError (a 400) for what no engine could run."""
-        return self.processor.process_inputs(prompt, params, request_id, cache_salt, kv_transfer_params)
+        return self.processor.process_inputs(prompt, params, request_id, cache_salt, kv_transfer_params, priority)
 
     @abstractmethod
     def generate(self, request: EngineCoreRequest) -> AsyncIterator[RequestOutput]:

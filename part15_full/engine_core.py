@@ -184,6 +184,9 @@ def _outputs_of(request: Request) -> list[EngineCoreOutput]:
             [LogprobEntry(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items()] for entry in d.logprobs]
         outs.append(EngineCoreOutput(request.request_id, d.index, d.token_ids, d.text, lps, d.finish_reason,
                                      d.stop_reason, delta.kv_transfer_params if d.finish_reason else None))
+    if outs and delta.prompt_logprobs is not None:  # once, with the first output (the None first is implied)
+        outs[0].prompt_logprobs = [[LogprobEntry(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items()]
+                                   for entry in delta.prompt_logprobs[1:]]
     return outs
 
 

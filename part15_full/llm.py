@@ -5,8 +5,10 @@ from typing import Any, Sequence
 
 from shared.outputs import RequestOutput
 
+from .chat_template import load_chat_template, render_chat
 from .config import EngineConfig
 from .engine import LLMEngine
+from .generation_config import default_sampling_params
 from .sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -34,17 +36,26 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (--generation-config)."""
+        defaults = default_sampling_params(self.config.generation_config, self.engine.executor.model_path)
+        return SamplingParams(**defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """`priority`: one per prompt, lower first (needs scheduling_policy="priority")."""
         prompts = _normalize_prompts(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError("give one priority per prompt")
         # Validate every request before running any, so one bad prompt costs nothing.
-        requests = [self.engine.processor.process_inputs(p, sp, cache_salt=salt)
-                    for (p, salt), sp in zip(prompts, params)]
+        requests = [self.engine.processor.process_inputs(p, sp, cache_salt=salt, priority=prio)
+                    for (p, salt), sp, prio in zip(prompts, params, priority)]
         return self.engine.generate(requests)
 
     def shutdown(self) -> None:
@@ -65,5 +76,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        template = load_chat_template(self.config.chat_template) if self.config.chat_template else None
+        prompts = [self.tokenizer.encode(render_chat(self.tokenizer, c, template), add_special_tokens=False)
+                   for c in conversations]
         return self.generate(prompts, sampling_params)

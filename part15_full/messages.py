@@ -58,6 +58,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     # A KV connector's parameters for this request (part 13: where to fetch a prefilled KV cache).
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0  # lower first, with --scheduling-policy priority (scheduler.py)
 
 
 class LogprobEntry(msgspec.Struct, array_like=True):
@@ -80,6 +81,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # With a completion's first output only: when the engine first scheduled it (its clock), for
     # the queue and prefill times. vLLM: the SCHEDULED EngineCoreEvent in EngineCoreOutput.events.
     scheduled_time: float | None = None
+    # The request's prompt logprobs (part 15), with its first output only: per prompt token after the first.
+    prompt_logprobs: list[list[LogprobEntry]] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

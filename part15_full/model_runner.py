@@ -41,6 +41,8 @@ from .draft_model import DraftModelProposer, sample_drafts
 from .fused_moe import FusedMoE
 from .graph_runner import graph_mode_for, make_graph_runner
 from .input_batch import InputBatch
+from . import prompt_logprobs
+from .prompt_logprobs import PromptLogprobsOutput, PromptLogprobsPlan, PromptLogprobsSpec
 from .sampler import Sampler
 from .sampling_metadata import SamplingMetadata, to_device
 from .kv_cache_manager import cdiv, num_blocks_for_budget
@@ -79,6 +81,8 @@ class SequenceBatchEntry:
     min_tokens_left: int = 0
     # Draft model only: the known tokens its KV cache lacks, ending with this step's last known one.
     draft_input_ids: list[int] | None = None
+    # Part 15: a prefill chunk whose request asks for prompt logprobs (prompt_logprobs.py).
+    prompt_logprobs: PromptLogprobsSpec | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -133,6 +137,7 @@ class ModelInput:
     grammar_output: GrammarOutput | None = None  # structured outputs' bitmask (part 15)
     sampling: SamplingMetadata | None = None  # the S rows' sampling as tensors (part 15, sampling_metadata.py)
     host_set: int = 0  # which of InputBatch's host sets holds the step (part 15)
+    prompt_logprobs: PromptLogprobsPlan | None = None  # rows that score prompt tokens (part 15)
 
 
 @dataclass
@@ -141,6 +146,18 @@ class ModelRunnerOutput:
     KV finished sending or arriving; parts 12-13), which the engine hands to its scheduler."""
     sampled: SampledBatch | RejectionOutput
     kv_connector_output: Any = None
+    prompt_logprobs: PromptLogprobsOutput | None = None  # part 15 (prompt_logprobs.py)
+
+
+def set_random_seed(seed: int) -> None:
+    """Python's, numpy's and torch's random state (every device's). In vLLM: vllm/utils (set_random_seed)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 class ModelRunner:
@@ -239,6 +256,10 @@ class ModelRunner:
         for reason in reasons:
             logger.info("CUDA graphs: %s, so %s", reason, self.cudagraph_mode.name)
         self.graph_runner = make_graph_runner(self.model, self.attn, self.device, graphs)
+        if config.seed is not None and (layers is None or layers.tp_size == 1):
+            # --seed: unseeded rows sample from this state; seeded after start-up's passes, so the same
+            # requests give the same tokens on every start (worker.py seeds tensor-parallel ranks).
+            set_random_seed(config.seed)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -291,7 +312,8 @@ class ModelRunner:
             spec = self._prepare_spec(batch, sampling, tensor)
         return ModelInput(step.input_ids, step.positions, step.metadata, step.logits_indices, step.placeholder_slots,
                           step.placeholder_prev_rows, [e.sampling for e in sampling], [e.prev_row for e in sampling],
-                          spec, kv_connector_metadata, grammar_output, step.sampling, step.host_set)
+                          spec, kv_connector_metadata, grammar_output, step.sampling, step.host_set,
+                          prompt_logprobs.plan(batch, tensor))
 
     def _prepare_spec(self, batch: list[SequenceBatchEntry], sampling: list[SequenceBatchEntry],
                       tensor) -> SpecInput:
@@ -351,17 +373,18 @@ class ModelRunner:
         if connector is not None:
             connector.bind_connector_metadata(inp.kv_connector_metadata)
             connector.start_load_kv()
-        sampled = self._forward_and_sample(inp)
+        sampled, prompt = self._forward_and_sample(inp)
         kv_out = None
         if connector is not None:
             connector.wait_for_save()
             kv_out = connector.get_finished()
             connector.clear_connector_metadata()
-        return ModelRunnerOutput(sampled, kv_out)
+        return ModelRunnerOutput(sampled, kv_out, prompt)
 
-    def _forward_and_sample(self, inp: ModelInput) -> SampledBatch | RejectionOutput:
+    def _forward_and_sample(self, inp: ModelInput) -> tuple[SampledBatch | RejectionOutput,
+                                                            prompt_logprobs.PromptLogprobsOutput | None]:
         if inp.input_ids.numel() == 0:  # a step that only moves KV blocks (part 12)
-            return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
+            return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device)), None
         start = time.perf_counter()
         # On a GPU, the step's host arrays into the device's, here on the thread that runs the step.
         self.input_batch.to_device(inp)
@@ -370,6 +393,7 @@ class ModelRunner:
             input_ids[inp.placeholder_slots] = self.prev_sampled_token_ids[inp.placeholder_prev_rows]
         draft_probs = self._propose_on_device(inp) if inp.spec and inp.spec.draft_passes else None
         hidden = self.graph_runner(input_ids, inp.positions, inp.metadata)
+        prompt = prompt_logprobs.compute(self.model, hidden, inp.prompt_logprobs) if inp.prompt_logprobs else None
         if inp.spec is not None and inp.rows:  # verify: 1..k+1 tokens per sequence
             spec = inp.spec
             logits = self._constrained(self.model.compute_logits(hidden[inp.logits_indices]), inp)
@@ -385,7 +409,7 @@ class ModelRunner:
             sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
         if self.timeline is not None:
             self.timeline.append((start, time.perf_counter()))
-        return sampled
+        return sampled, prompt
 
     @staticmethod
     def _constrained(logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:

@@ -7,6 +7,7 @@ for what parts 13 and 15 add.
   ({"type": "json_schema", "json_schema": {"name", "schema", "strict"}} or {"type": "json_object"})
   and vLLM's `structured_outputs` ({"json": ...} | {"regex": ...} | {"choice": [...]} |
   {"grammar": ...} | {"json_object": true}). Either becomes SamplingParams.structured_outputs.
+- Tool calling (part 15, chat): `tools`, `tool_choice`, `parallel_tool_calls` (chat_protocol.py).
 
 In vLLM: vllm/entrypoints/openai/completion/protocol.py (CompletionRequest) and
 vllm/entrypoints/openai/chat_completion/protocol.py (ChatCompletionRequest), with kv_transfer_params;
@@ -21,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared import protocol
 from shared.errors import InvalidRequestError
 
+from .protocol_logprobs import EchoFields, PromptLogprobsFields  # echo, prompt_logprobs (evaluation harnesses)
+from .request_fields import ChatFields, CompletionFields  # every other vLLM field: honoured, refused or logged
+from .chat_protocol import ToolsRequest  # tools, tool_choice, parallel_tool_calls, include_reasoning
 from .sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -68,9 +72,10 @@ class _StructuredRequest(BaseModel):
         return SamplingParams(**{**params.__dict__, "structured_outputs": structured})
 
 
-class CompletionRequest(_StructuredRequest, protocol.CompletionRequest):
+class CompletionRequest(CompletionFields, EchoFields, _StructuredRequest, protocol.CompletionRequest):
     pass
 
 
-class ChatCompletionRequest(_StructuredRequest, protocol.ChatCompletionRequest):
+class ChatCompletionRequest(ChatFields, PromptLogprobsFields, ToolsRequest, _StructuredRequest,
+                            protocol.ChatCompletionRequest):
     pass

@@ -12,7 +12,7 @@ import torch
 from .kv_cache_utils import BlockHash
 
 from shared.output_processor import CompletionState
-from shared.outputs import RequestOutput
+from .outputs import PromptLogprobs, RequestOutput
 from shared.sampling_params import SamplingParams
 
 
@@ -43,6 +43,8 @@ class Sequence:
     kv_transfer_params: dict | None = None
     # Its structured-output grammar (part 15): the constraint's state after its tokens so far.
     grammar: Any = None
+    # False while a reasoning model is still thinking: the grammar waits (structured_output/reasoning.py).
+    reasoning_ended: bool = True
 
     @property
     def finished(self) -> bool:
@@ -56,6 +58,11 @@ class Sequence:
     def num_output_tokens(self) -> int:
         """Generated tokens, the ones still in flight included."""
         return len(self.state.token_ids) + self.num_output_placeholders
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs (part 15) need every prompt position's logits: no prefix-cache hit (vLLM's rule)."""
+        return getattr(self.request, "prompt_logprobs", None) is not None
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -79,11 +86,20 @@ class Request:
     # What the client asked a KV connector to do with this request (part 13: fetch its prompt's KV from
     # a prefill engine, or keep it for a decode engine), as vLLM's kv_transfer_params.
     kv_transfer_params: dict | None = None
+    # With --scheduling-policy priority: waiting and preemption order by (priority, arrival_time).
+    priority: int = 0
+    arrival_time: float = 0.0
     sequences: list[Sequence] = field(default_factory=list)
+    # Part 15: one entry per prompt token when the request asks (prompt_logprobs.py), filled as its
+    # prefill chunks run; sent with its first output.
+    prompt_logprobs: PromptLogprobs | None = None
+    _prompt_logprobs_sent: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.sequences = [Sequence(f"{self.request_id}-{c.index}", self, c, list(self.prompt_token_ids))
                           for c in self.completions]
+        if getattr(self.params, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -91,5 +107,9 @@ class Request:
 
     def output(self, delta: bool = False) -> RequestOutput:
         outs = [c.delta() if delta else c.output() for c in self.completions]
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not (delta and self._prompt_logprobs_sent) \
+                and any(c.token_ids or c.finished for c in self.completions):  # complete once a token is out
+            prompt_logprobs, self._prompt_logprobs_sent = list(self.prompt_logprobs), self._prompt_logprobs_sent or delta
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             self.sequences[0].kv_transfer_params)
+                             self.sequences[0].kv_transfer_params, prompt_logprobs)

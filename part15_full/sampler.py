@@ -7,7 +7,8 @@ knows, so the only time a step's results reach the host is their copy after samp
 (SampledBatch.copy_to_host_async).
 
 How. The same order and arithmetic as the shared sampler (bans -> logit_bias -> penalties -> greedy
-argmax -> temperature -> top-k / top-p / min-p -> exponential race), so a seeded request samples
+argmax -> temperature -> top-k / top-p / min-p -> exponential race; vLLM's allowed_token_ids and bad
+words are bans too, -inf like min_tokens', so where they sit among the bans changes nothing), so a seeded request samples
 the same tokens as there (tests/test_part15_sampler.py). Three differences, none visible in the
 tokens:
 - greedy and random rows go through one pass, `torch.where` picking each row's token, instead of
@@ -53,10 +54,17 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata, prev_sampled: torch.Tensor | None) -> torch.Tensor:
-        """Banned tokens (min_tokens) -> logit_bias -> penalties (the shared sampler's process_logits)."""
-        if meta.ban_rows is not None:
+        """Banned tokens (min_tokens, allowed_token_ids, bad words) -> logit_bias -> penalties (the
+        shared sampler's process_logits, with vLLM's two extra bans)."""
+        if meta.ban_rows is not None or meta.allowed_rows is not None or meta.bad_rows is not None:
             logits = logits.clone()
+        if meta.allowed_rows is not None:  # -inf everywhere but the allowed ids
+            keep = torch.full((len(meta.allowed_rows), logits.shape[1]), float("-inf"), device=logits.device)
+            logits[meta.allowed_rows] += keep.scatter_(1, meta.allowed_ids, 0.0)
+        if meta.ban_rows is not None:
             logits[meta.ban_rows[:, None], meta.ban_ids] = float("-inf")
+        if meta.bad_rows is not None:
+            _ban_bad_words(logits, meta, prev_sampled)
         if meta.bias_rows is not None:
             bias = torch.zeros_like(logits)
             bias[meta.bias_rows[:, None], meta.bias_ids] = meta.bias_vals.to(logits.dtype)
@@ -88,6 +96,18 @@ class Sampler:
         for i, g in meta.generators:
             noise[i].exponential_(generator=g)
         return argmax_rows(probs / noise)
+
+
+def _ban_bad_words(logits: torch.Tensor, meta: SamplingMetadata, prev_sampled: torch.Tensor | None) -> None:
+    """A multi-token bad word's last token gets -inf where the row's last output tokens are the
+    word's prefix; compared on the device, so a token still in flight needs no wait."""
+    tail = meta.bad_tail
+    if meta.bad_prev is not None:
+        tail = tail.clone()
+        tail[meta.bad_prev[0], -1] = prev_sampled[meta.bad_prev[1]]
+    match = ((meta.bad_prefix == tail) | (meta.bad_prefix < 0)).all(dim=1)
+    ban = torch.where(match, float("-inf"), 0.0).to(logits.dtype)
+    logits.index_put_((meta.bad_rows, meta.bad_last), ban, accumulate=True)
 
 
 def _penalized(logits: torch.Tensor, meta: SamplingMetadata, prev_sampled: torch.Tensor | None) -> torch.Tensor:

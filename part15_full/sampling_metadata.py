@@ -9,8 +9,9 @@ How. A sequence's parameters are written once, into numpy arrays at its row of t
 (the row `input_batch.BlockTable` gives it), when it first samples; a step takes its sampling rows'
 columns with one numpy gather, packed into one float buffer (`FLOATS`, top-k and the greedy flag
 included), copied to the device once. What varies per step and per row (tokens banned until
-min_tokens, logit_bias, the histories penalties count) goes in padded index arrays built with numpy,
-each one copy. Only what the host decides on (is every row greedy? does any row use top-p?) stays
+min_tokens and single-token bad words, allowed_token_ids, logit_bias, the histories penalties count,
+the last tokens multi-token bad words compare) goes in padded index arrays built with numpy, each one
+copy. Only what the host decides on (is every row greedy? does any row use top-p?) stays
 on the host, read from the same arrays. The one token the host cannot know, a history's newest
 token still in flight under async scheduling, is patched in on the device from the previous step's
 sampled ids (`prev_fix`).
@@ -54,6 +55,16 @@ class SamplingMetadata:
     seen_ids: torch.Tensor | None = None  # [P, W]: prompt and output ids (repetition), padded with the first
     output_ids: torch.Tensor | None = None  # [P, Lo]: output ids (frequency, presence), padded with the vocab size
     prev_fix: torch.Tensor | None = None  # [4, F]: pen row, its columns in output_ids and seen_ids, previous row
+    allowed_rows: torch.Tensor | None = None  # [Sa] rows with allowed_token_ids: every other id is banned
+    allowed_ids: torch.Tensor | None = None  # [Sa, w] (padded as ban_ids)
+    # Bad words of two or more tokens (one-token words are in ban_ids): one entry per (row, word). The
+    # word's last token is banned when the row's last P output tokens equal its prefix, right-aligned
+    # (-1 in the prefix: no token to compare; -2 in the tail: the output is shorter than that).
+    bad_rows: torch.Tensor | None = None  # [Nb]
+    bad_prefix: torch.Tensor | None = None  # [Nb, P]
+    bad_tail: torch.Tensor | None = None  # [Nb, P]
+    bad_last: torch.Tensor | None = None  # [Nb]
+    bad_prev: torch.Tensor | None = None  # [2, Nf]: entries whose newest token is in flight, their previous row
 
     def row(self, name: str) -> torch.Tensor:
         return self.params[ROW[name]]
@@ -126,7 +137,8 @@ class SamplingState:
             generators=[(i, self.generators[int(r)]) for i, r in enumerate(rows) if int(r) in self.generators]
             if self.generators else [],
             num_top=[max(int(n), 0) for n in logprobs] if (logprobs >= 0).any() else None)
-        banned = [(i, e.sampling.banned_token_ids) for i, e in enumerate(entries) if e.sampling.banned_token_ids]
+        banned = [(i, (*e.sampling.banned_token_ids, *words)) for i, e in enumerate(entries)
+                  if (words := [w[0] for w in _bad_words(e) if len(w) == 1]) or e.sampling.banned_token_ids]
         if banned:
             meta.ban_rows, meta.ban_ids = _padded(banned, np.int64)
         bias = [(i, list(e.sampling.params.logit_bias)) for i, e in enumerate(entries) if e.sampling.params.logit_bias]
@@ -134,6 +146,12 @@ class SamplingState:
             meta.bias_rows, meta.bias_ids = _padded(bias, np.int64)
             meta.bias_vals = _padded([(i, list(entries[i].sampling.params.logit_bias.values())) for i, _ in bias],
                                      np.float32)[1]
+        allowed = [(i, list(ids)) for i, e in enumerate(entries)
+                   if (ids := getattr(e.sampling.params, "allowed_token_ids", None))]
+        if allowed:
+            meta.allowed_rows, meta.allowed_ids = _padded(allowed, np.int64)
+        if any(len(w) > 1 for e in entries for w in _bad_words(e)):
+            _bad_word_prefixes(meta, entries)
         pen = np.flatnonzero(self.penalized[rows])
         if len(pen):
             self._penalties(meta, pen, [entries[i] for i in pen], params)
@@ -159,6 +177,34 @@ class SamplingState:
             meta.seen_ids = _fill(seen, max(len(s) for s in seen) + extra, None)
         if fix:
             meta.prev_fix = torch.from_numpy(np.array(fix, dtype=np.int64).T.copy())
+
+
+def _bad_words(entry) -> list[list[int]]:
+    return getattr(entry.sampling.params, "bad_words_token_ids", None) or []
+
+
+def _bad_word_prefixes(meta: SamplingMetadata, entries: list) -> None:
+    """Multi-token bad words against each row's last output tokens; a token in flight gets the last
+    column, filled on the device from the previous step's sampled ids (`bad_prev`)."""
+    items = [(i, w, e) for i, e in enumerate(entries) for w in _bad_words(e) if len(w) > 1]
+    width = max(len(w) for _, w, _ in items) - 1
+    prefix = np.full((len(items), width), -1, dtype=np.int64)
+    tail = np.full((len(items), width), -2, dtype=np.int64)
+    inflight = []
+    for j, (i, word, e) in enumerate(items):
+        prefix[j, width - len(word) + 1:] = word[:-1]
+        out = list(e.sampling.output_token_ids)
+        if e.prev_row is not None:
+            out.append(-2)  # placeholder: the device writes the token in flight here
+            inflight.append((j, e.prev_row))
+        out = out[-width:]
+        if out:
+            tail[j, width - len(out):] = out
+    meta.bad_rows = torch.from_numpy(np.array([i for i, _, _ in items], dtype=np.int64))
+    meta.bad_prefix, meta.bad_tail = torch.from_numpy(prefix), torch.from_numpy(tail)
+    meta.bad_last = torch.from_numpy(np.array([w[-1] for _, w, _ in items], dtype=np.int64))
+    if inflight:
+        meta.bad_prev = torch.from_numpy(np.array(inflight, dtype=np.int64).T.copy())
 
 
 def _fill(lists: list[list[int]], width: int, pad: int | None) -> torch.Tensor:

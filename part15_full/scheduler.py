@@ -5,12 +5,13 @@ budget, `max_num_batched_tokens`, and a prompt longer than what is left of it is
 chunks over several steps (chunked prefill):
   1. running sequences that decode, oldest first, one token each (decode-first: a long prompt
      never stalls the streams already running). Each needs a KV slot for it; when the pool has
-     no block left, the newest running sequence is preempted: its blocks are freed, its progress
+     no block left, the newest running sequence is preempted (with the `priority` policy: the one
+     with the largest (priority, arrival), lower values being more urgent, as vLLM's): its blocks are freed, its progress
      forgotten (num_computed_tokens = 0), and it goes back to the front of `waiting`, to be
      recomputed later from its prompt plus the tokens it had already generated (its freed
      full blocks stay in the prefix cache until reused, so a resume often finds most of them);
   2. running sequences still part-way through their prompt, their next chunk;
-  3. waiting sequences in FCFS order, while there is a free seat (max_num_seqs), budget for at
+  3. waiting sequences in FCFS order (or, with the `priority` policy, by (priority, arrival)), while there is a free seat (max_num_seqs), budget for at
      least one token, and blocks for their first chunk. A sequence's first step starts after
      the longest run of its leading blocks found in the prefix cache (part 07): those tokens
      cost neither budget nor compute, only the rest is chunked.
@@ -61,6 +62,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True  # off: a prompt must fit in one step (part 05)
     long_prefill_token_threshold: int = 0  # most tokens of one prompt per step (0: no limit)
     preemption_mode: str = "recompute"  # or "swap": a victim's KV goes to the host tier (part 12)
+    # "fcfs", or "priority": waiting by (priority, arrival), the running sequences in that order too,
+    # so the victim (the last one not yet scheduled) is the least urgent. vLLM: SchedulingPolicy.
+    policy: str = "fcfs"
 
 
 @dataclass
@@ -97,7 +101,21 @@ class Scheduler:
         self.finished_seq_ids: list[str] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.config.policy == "priority":
+            self._insert_waiting(seq)
+        else:
+            self.waiting.append(seq)
+
+    @staticmethod
+    def priority_key(seq: Sequence) -> tuple[int, float]:
+        return seq.request.priority, seq.request.arrival_time
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        """Into `waiting` by (priority, arrival), after its equals (a preempted sequence goes back to
+        its place, not to the front). vLLM keeps a heap (PriorityRequestQueue)."""
+        key = self.priority_key(seq)
+        at = next((i for i, s in enumerate(self.waiting) if self.priority_key(s) > key), len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self.loading)
@@ -154,7 +172,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         # Oldest first: the decodes, then the partly prefilled ones.
         decodes, prefills = [], []
-        for s in self.running:
+        running = sorted(self.running, key=self.priority_key) if self.config.policy == "priority" else self.running
+        for s in running:
             (prefills if self.is_prefilling(s) else decodes).append(s)
         taken: set[str] = set()  # scheduled in this step: never a preemption victim
         gone: set[str] = set()  # preempted earlier in this loop
@@ -167,8 +186,11 @@ class Scheduler:
                     break
                 continue  # chunking off: this prompt waits for a step with room for all of it
             while not kv.allocate_slots(seq, seq.num_computed_tokens + num_new):
-                # The newest running sequence not yet in this step (`seq` itself at worst).
-                victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
+                # The newest running sequence not yet in this step (`seq` itself at worst); with
+                # priorities, the least urgent one.
+                victim = next(s for s in reversed(self.running) if s.seq_id not in taken) \
+                    if self.config.policy != "priority" else \
+                    max((s for s in self.running if s.seq_id not in taken), key=self.priority_key)
                 self.running.remove(victim)
                 gone.add(victim.seq_id)
                 self._preempt(victim)
@@ -195,8 +217,10 @@ class Scheduler:
             if seq.num_output_placeholders:
                 break
             # Its first step (new, or resumed after a preemption): start after a cache hit.
-            hit_blocks, num_hit = kv.get_computed_blocks(seq)
-            external, is_async = (0, False) if self.connector is None else \
+            # Part 15: a request with prompt logprobs computes every position (no hit, no external load).
+            skip = getattr(seq, "skip_reading_prefix_cache", False)
+            hit_blocks, num_hit = ([], 0) if skip else kv.get_computed_blocks(seq)
+            external, is_async = (0, False) if self.connector is None or skip else \
                 self.connector.get_num_new_matched_tokens(seq, num_hit)
             if external is None:  # the connector cannot tell yet
                 deferred.append(self.waiting.popleft())
@@ -298,7 +322,10 @@ class Scheduler:
         self.kv_cache_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_draft_computed = None
-        self.waiting.appendleft(seq)
+        if self.config.policy == "priority":
+            self._insert_waiting(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished (or aborted) sequence out of the queues and free its blocks. One whose

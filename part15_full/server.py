@@ -55,16 +55,18 @@ from fastapi import Request as HTTPRequest
 from shared.protocol import ChatCompletionStreamResponse, CompletionStreamResponse
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
-from shared.serving import OpenAIServing, error_response, install_error_handlers, sse_response
+from shared.serving import error_response, install_error_handlers, sse_response
 from shared.weights import served_model_name
 
 from . import envs
+from .chat_template import load_chat_template
 from .cli_args import FrontendArgs
 from .async_llm import AsyncLLM
 from .config import EngineConfig
 from .core_client import AsyncMPClient, DPAsyncMPClient, run_headless_engines
 from .engine import LLMEngine
 from .engine_client import EngineClient, EngineDeadError
+from .generation_config import default_sampling_params
 from .graceful_shutdown import AbortableClient, GracefulShutdown
 from .kv_connector import KVLoadFailed
 from .metrics import attach_stat_logger, mount_metrics
@@ -72,6 +74,8 @@ from .middleware import base_request_id, engine_request_id, install_middleware
 from .multiproc_executor import WorkerDied, run_headless
 from .parallel_state import ParallelConfig
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .serving_chat import OpenAIServingChat
+from .serving_completion import CompletionStream, clamp, completion_response
 from .serving_tokenization import router as tokenization_router
 from .streaming import interleave, run_to_end, stream_error
 
@@ -94,7 +98,15 @@ def build_app(client: EngineClient, model_name: str, engine_thread: bool = True,
 
     app = FastAPI(title=f"vllm-course {__package__}", lifespan=lifespan)
     app.state.engine_client = client
-    app.state.serving = OpenAIServing(client.tokenizer, model_name, client.max_model_len)
+    frontend = frontend or FrontendArgs()
+    config = getattr(client, "config", None)
+    app.state.serving = OpenAIServingChat(  # the chat endpoint's tool calls and reasoning (serving_chat.py)
+        client.tokenizer, model_name, client.max_model_len, enable_auto_tools=frontend.enable_auto_tool_choice,
+        tool_parser=frontend.tool_call_parser, reasoning_parser=config.reasoning_parser if config else None)
+    # --chat-template and --generation-config (request_fields.py): read once, used by every request
+    app.state.chat_template = load_chat_template(config.chat_template) if config and config.chat_template else None
+    app.state.default_sampling_params = default_sampling_params(config.generation_config, client.tokenizer.path) \
+        if config is not None else {}
     frontend = frontend or FrontendArgs()
     app.state.shutdown = GracefulShutdown(frontend.shutdown_timeout)
     app.state.generator = AbortableClient(client, app.state.shutdown)  # what the handlers generate with
@@ -152,22 +164,23 @@ async def completions(req: CompletionRequest, raw: HTTPRequest):
     client, serving = raw.app.state.generator, raw.app.state.serving
     rid = f"cmpl-{base_request_id(raw.headers)}"
     serving.check_model(req.model)
-    params = req.to_sampling_params()
+    params = req.to_sampling_params(raw.app.state.default_sampling_params)
     if req.kv_transfer_params is not None and len(req.prompts()) > 1:
         raise InvalidRequestError("kv_transfer_params names one request's KV: send one prompt", "kv_transfer_params")
     requests = [client.process_inputs(p, params, engine_request_id(rid, i), cache_salt=req.cache_salt,
-                                      kv_transfer_params=req.kv_transfer_params) for i, p in enumerate(req.prompts())]
+                                      kv_transfer_params=req.kv_transfer_params, priority=req.priority)
+                for i, p in enumerate(req.prompts())]
     if not req.stream:
         outputs = await run_to_end(client, requests, raw)
-        response = serving.completion_response(req, outputs).model_copy(update={"id": rid})
+        response = completion_response(serving, req, outputs).model_copy(update={"id": rid})  # echo too
         return with_kv_transfer_params(response, outputs)
 
     async def events() -> AsyncIterator[str]:
-        whole = [None] * len(requests)
+        whole, stream = [None] * len(requests), CompletionStream(serving, req, rid)
         try:
             async for i, delta, so_far in interleave(client, requests):  # each chunk names its choice
                 whole[i] = so_far
-                for chunk in serving.completion_chunks(req, rid, i, delta):
+                for chunk in stream.chunks(i, delta, so_far):
                     yield chunk.model_dump_json()
         except ENGINE_ERRORS as e:
             yield stream_error(e)
@@ -184,18 +197,20 @@ async def chat(req: ChatCompletionRequest, raw: HTTPRequest):
     client, serving = raw.app.state.generator, raw.app.state.serving
     rid = f"chatcmpl-{base_request_id(raw.headers)}"
     serving.check_model(req.model)
-    request = client.process_inputs(serving.chat_prompt(req), req.to_sampling_params(), engine_request_id(rid, 0),
-                                    cache_salt=req.cache_salt, kv_transfer_params=req.kv_transfer_params)
+    prompt = serving.chat_prompt(req, raw.app.state.chat_template)  # tool checks, then chat_template.py
+    request = client.process_inputs(prompt, req.to_sampling_params(raw.app.state.default_sampling_params),
+                                    engine_request_id(rid, 0), cache_salt=req.cache_salt,
+                                    kv_transfer_params=req.kv_transfer_params, priority=req.priority)
     if not req.stream:
         outputs = await run_to_end(client, [request], raw)
         response = serving.chat_response(req, outputs[0]).model_copy(update={"id": rid})
-        return with_kv_transfer_params(response, outputs)
+        return {**with_kv_transfer_params(response, outputs), "prompt_logprobs": clamp(outputs[0].prompt_logprobs)}
 
     async def events() -> AsyncIterator[str]:
-        first, whole = True, None
+        first, whole, stream = True, None, serving.chat_stream(req, rid)  # the choices' parsers
         try:
             async for _, delta, whole in interleave(client, [request]):
-                for chunk in serving.chat_chunks(req, rid, delta, first):
+                for chunk in stream.chunks(delta, first):
                     yield chunk.model_dump_json()
                 first = False
         except ENGINE_ERRORS as e:
@@ -218,7 +233,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "cores (with --data-parallel-size > 1) or this node's tensor-parallel ranks")
     FrontendArgs.add_cli_args(p)
     EngineConfig.add_cli_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    FrontendArgs.check_cli_args(p, args)
+    return args
 
 
 def make_engine_client(config: EngineConfig) -> EngineClient:

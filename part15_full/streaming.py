@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 from fastapi import Request as HTTPRequest
 
-from shared.outputs import RequestOutput
+from .outputs import RequestOutput  # with prompt logprobs (part 15)
 from shared.protocol import ErrorInfo, ErrorResponse
 
 from .kv_connector import KVLoadFailed

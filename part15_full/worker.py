@@ -38,6 +38,7 @@ import zmq
 from shared.sampler import SampledBatch, make_generator
 
 from .config import EngineConfig
+from . import prompt_logprobs
 from .model_runner import ModelRunner, ModelRunnerOutput, SequenceBatchEntry
 from .parallel_layers import TensorParallelLayers
 from .parallel_state import ParallelConfig, init_distributed, rank_device
@@ -82,7 +83,7 @@ def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_t
         size = parallel.tensor_parallel_size
         # A group of one needs no sharding and no collectives (each would still cost a call into gloo).
         runner = ModelRunner(config, TensorParallelLayers(rank, size) if size > 1 else None, str(device))
-        seed = [int.from_bytes(os.urandom(4), "little")]
+        seed = [config.seed if config.seed is not None else int.from_bytes(os.urandom(4), "little")]  # --seed
         dist.broadcast_object_list(seed, src=0, group=cpu_group)
         torch.manual_seed(seed[0])  # the same stream on every rank, for unseeded sampling
         if rank == 0:
@@ -176,7 +177,8 @@ def _to_host(out: ModelRunnerOutput) -> ModelRunnerOutput:
     if isinstance(sampled, SampledBatch):
         sampled = SampledBatch(**{f.name: v.cpu() if isinstance(v, torch.Tensor) else v
                                   for f in dataclasses.fields(sampled) for v in [getattr(sampled, f.name)]})
-    return ModelRunnerOutput(sampled, out.kv_connector_output)  # a RejectionOutput is host data already
+    # a RejectionOutput is host data already
+    return ModelRunnerOutput(sampled, out.kv_connector_output, prompt_logprobs.to_host(out.prompt_logprobs))
 
 
 def follow_parent() -> None:

@@ -293,6 +293,10 @@ def test_the_configurations_names_are_those_of_the_engines_registries():
 
     assert sorted(KV_OFFLOADING_EVICTION_POLICIES) == sorted(CACHE_POLICIES)
     assert sorted(KV_CONNECTORS) == KVConnectorFactory.names()
+    from part15_full.config import REASONING_PARSERS
+    from part15_full.reasoning_parsers import ReasoningParserManager
+
+    assert sorted(REASONING_PARSERS) == sorted(ReasoningParserManager.reasoning_parsers)
 
 
 # ---- graceful shutdown -----------------------------------------------------------------------
