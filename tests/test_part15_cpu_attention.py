@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import subprocess
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,8 +221,30 @@ def test_the_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
-    monkeypatch.setattr(subprocess, "run", no_compiling)
+    monkeypatch.setattr(cpu_build, "_compile", no_compiling)
     assert cpu_build.build(SOURCE) == path
+
+
+def test_a_compile_past_the_timeout_is_killed_with_its_children(tmp_path, monkeypatch, caplog):
+    """A compiler driver's cc1 runs in a child process: a timeout that killed only the driver
+    left it compiling on a core the engine needs. The whole group goes, and the next flags are
+    tried; the plainer build that succeeds is logged as a slower kernel."""
+    monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_build, "_TIMEOUT_S", 1.0)
+    pids = tmp_path / "pids"
+    compiler = tmp_path / "cc"  # hangs (with a child, as gcc's cc1) when asked for OpenMP, else compiles
+    compiler.write_text(f"""#!/bin/sh
+case "$*" in *-fopenmp*) sleep 60 & echo $! >> {pids}; wait;; esac
+exec {shutil.which("cc") or shutil.which("gcc")} "$@"
+""")
+    compiler.chmod(0o755)
+    with caplog.at_level(logging.WARNING):
+        path = cpu_build.build(CSRC / "fused_ops_cpu.c", compiler=str(compiler))
+    assert path is not None and "slower kernel" in caplog.text
+    children = [int(p) for p in pids.read_text().split()]
+    assert children  # the OpenMP line was tried, and timed out
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
 def test_without_a_compiler_the_torch_path_serves(tmp_path, monkeypatch, caplog):

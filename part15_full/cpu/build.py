@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,21 +24,11 @@ from shared.gguf_convert import cache_root
 from .. import envs
 
 CSRC = Path(__file__).with_name("csrc")
-# Tried in order: -march=native is what makes the loops AVX2/AVX-512; -fopenmp runs the kernels on
-# torch's OpenMP threads (see paged_attention_cpu.c); a compiler that refuses a flag gets the next,
-# plainer line (without -fopenmp the attention kernel starts its own threads).
-_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O2"])
-# On x86, GCC vectorizes a plain loop (SiLU's exp, the rotary embedding) 8 floats wide even where
-# the CPU has 16-float AVX-512 registers, unless asked: with this, SiLU x up and the rotary
-# embedding ran 1.3-1.4x faster at a decode step's 25 rows on a Cascade Lake Xeon. The kernels
-# written with explicit vector types (the GEMM's, attention's) do not change. No effect without
-# AVX-512, and only x86 compilers know the flag. VLLM_COURSE_CPU_WIDE_VECTORS=0 leaves GCC's choice.
-_X86_FLAGS = ["-mprefer-vector-width=512"]
-logger = logging.getLogger(__name__)
 
 
-def _cpu_id() -> str:
-    """What -march=native depends on: a library built on one CPU may not run on another."""
+def _cpu_flags() -> str:
+    """/proc/cpuinfo's flags line (what -march=native depends on: a library built on one CPU may
+    not run on another), else the processor's name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -47,6 +38,27 @@ def _cpu_id() -> str:
     return platform.processor()
 
 
+# Tried in order: -march=native is what makes the loops AVX2/AVX-512; -fopenmp runs the kernels on
+# torch's OpenMP threads (see paged_attention_cpu.c); a compiler that refuses a flag gets the next,
+# plainer line (without -fopenmp the attention kernel starts its own threads). A line that is not
+# the first is a slower kernel: the log says so.
+_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O2"])
+_TIMEOUT_S = 120
+# -O2 for the attention kernel on an x86 CPU without AVX-512: there GCC splits its 16-float vectors
+# into pairs of 8, and -O3 then spends about 4 minutes on it (a 2-core AVX2 EPYC: 221-247 s, against
+# 18 s at -O2), past the timeout, for no speed (the engine's decode step at batch 64: 9.64 ms at
+# -O3, 9.62 at -O2). The other kernels build in seconds, and -O3 keeps the fused ops 3% faster.
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_SLOW_AT_O3 = {"paged_attention_cpu.c"} if _X86 and "avx512f" not in _cpu_flags().split() else set()
+# On x86, GCC vectorizes a plain loop (SiLU's exp, the rotary embedding) 8 floats wide even where
+# the CPU has 16-float AVX-512 registers, unless asked: with this, SiLU x up and the rotary
+# embedding ran 1.3-1.4x faster at a decode step's 25 rows on a Cascade Lake Xeon. The kernels
+# written with explicit vector types (the GEMM's, attention's) do not change. No effect without
+# AVX-512, and only x86 compilers know the flag. VLLM_COURSE_CPU_WIDE_VECTORS=0 leaves GCC's choice.
+_X86_FLAGS = ["-mprefer-vector-width=512"]
+logger = logging.getLogger(__name__)
+
+
 def build(source: Path, compiler: str | None = None) -> Path | None:
     """Compile `source` (or find it compiled) -> the shared library's path; None if it cannot."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -54,11 +66,12 @@ def build(source: Path, compiler: str | None = None) -> Path | None:
         return None
     texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # its includes
     wide = envs.VLLM_COURSE_CPU_WIDE_VECTORS
-    extra = _X86_FLAGS if wide and platform.machine().lower() in ("x86_64", "amd64") else []
+    extra = _X86_FLAGS if wide and _X86 else []
     # Each -march=native line first with the extra flags, then without (a compiler too old to know them).
-    flag_sets = [line for flags in _FLAG_SETS
+    opt = "-O2" if source.name in _SLOW_AT_O3 else "-O3"
+    flag_sets = [[opt if f == "-O3" else f for f in line] for flags in _FLAG_SETS
                  for line in ([[*flags, *extra], flags] if extra and "-march=native" in flags else [flags])]
-    key = hashlib.sha256(b"\0".join([*texts, compiler.encode(), platform.machine().encode(), _cpu_id().encode(),
+    key = hashlib.sha256(b"\0".join([*texts, compiler.encode(), platform.machine().encode(), _cpu_flags().encode(),
                                       repr(flag_sets).encode()])).hexdigest()[:16]  # flags: a new set rebuilds
     target = cache_root() / f"{source.stem}-{key}.so"
     if target.exists():
@@ -75,17 +88,34 @@ def build(source: Path, compiler: str | None = None) -> Path | None:
         os.close(fd)
         cmd = [compiler, *flags, "-fPIC", "-shared", "-pthread", str(source), "-o", tmp, "-lm"]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            done = _compile(cmd)
         except (OSError, subprocess.TimeoutExpired) as e:
             done, errors = None, errors + [str(e)]
         if done is not None and done.returncode == 0:
             os.replace(tmp, target)
+            if flags is not flag_sets[0]:
+                logger.warning("built %s with %s only (%s failed): a slower kernel", source.name, " ".join(flags),
+                               " ".join(flag_sets[0]))
             return target
         os.unlink(tmp)
         if done is not None:
             errors.append(done.stderr.strip()[-500:])
     logger.warning("could not build %s with %s: %s", source.name, compiler, errors[-1] if errors else "")
     return None
+
+
+def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run the compiler in a process group of its own: on a timeout the whole group goes (the driver's
+    cc1 would otherwise go on compiling, on a core the engine needs)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def main() -> None:
