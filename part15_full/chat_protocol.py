@@ -81,6 +81,10 @@ class ToolsRequest(BaseModel):
 
     def check_tools(self) -> None:
         """The 400s vLLM gives (raised here, outside pydantic's validation, so that they name the field)."""
+        for legacy in ("functions", "function_call"):  # OpenAI's deprecated form of tools
+            if getattr(self, legacy, None) not in (None, "none"):
+                raise InvalidRequestError(f"{legacy} is OpenAI's deprecated form of tool calling: send tools and "
+                                          f"tool_choice", legacy)
         if self.tools == []:
             raise InvalidRequestError("tools must not be an empty array: give at least one tool or omit it", "tools")
         if self.tool_choice != "none" and not self.tools:

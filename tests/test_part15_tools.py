@@ -220,6 +220,8 @@ def test_refusals(app, client):
         assert e.value.body["param"] == param, e.value.body
 
     refused("tools", tools=[])
+    refused("functions", extra_body={"functions": [TOOLS[0]["function"]]})  # the deprecated form
+    refused("function_call", extra_body={"function_call": "auto"})
     refused("tool_choice", tool_choice="required")  # no tools
     refused("tool_choice", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
     refused("tool_choice", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
