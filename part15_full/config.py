@@ -245,6 +245,8 @@ class EngineConfig:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            if flag in parser._option_string_actions:  # a bench's own --seed serves both, as in vLLM's bench
+                continue
             kwargs = {"default": f.default if f.default is not MISSING else None, "help": f.metadata.get("help")}
             if "bool" in str(f.type):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)

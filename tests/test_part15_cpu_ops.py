@@ -323,14 +323,14 @@ def test_a_compiler_that_refuses_the_wide_flag_still_builds_with_openmp(tmp_path
     """The 512-bit preference is an extra: a compiler that does not know it gets the same line
     without it, not the plain -O2 fallback (which has no OpenMP and no -march)."""
     monkeypatch.setenv("VLLM_COURSE_CACHE", str(tmp_path))
-    run, tried = cpu_build.subprocess.run, []
+    run, tried = cpu_build._compile, []
 
-    def refuse_the_flag(cmd, *args, **kwargs):
+    def refuse_the_flag(cmd):
         tried.append(cmd)
         if "-mprefer-vector-width=512" in cmd:
             return cpu_build.subprocess.CompletedProcess(cmd, 1, "", "unrecognized command-line option")
-        return run(cmd, *args, **kwargs)
-    monkeypatch.setattr(cpu_build.subprocess, "run", refuse_the_flag)
+        return run(cmd)
+    monkeypatch.setattr(cpu_build, "_compile", refuse_the_flag)
     assert cpu_build.build(CSRC / "fused_ops_cpu.c") is not None
     assert "-fopenmp" in tried[-1] and "-march=native" in tried[-1]
     assert "-mprefer-vector-width=512" not in tried[-1]

@@ -198,7 +198,11 @@ def check_openai_error(url, path, body, status, param):
 
 @pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
 def test_bad_input_gets_openai_error(server, path, body, status, param):
-    _, url, _ = server
+    part, url, _ = server
+    if param == "tools" and part_number(part) >= 15:
+        # Part 15 serves tools; without tool_choice they mean "auto", which a server started
+        # without --enable-auto-tool-choice refuses, naming tool_choice (as vLLM does).
+        param = "tool_choice"
     check_openai_error(url, path, body, status, param)
 
 

@@ -27,12 +27,13 @@ def rows(results: dict[str, Any]) -> list[tuple[str, float]]:
 
 
 def table(results: dict[str, Any]) -> str:
-    """The markdown table: tokens/s, and each as a ratio of the first part, of vLLM and of the floor."""
+    """The markdown table: tokens/s, and each as a ratio of the first part, of vLLM and of the roofline
+    bound (the least time any engine could take: a ceiling on tokens/s)."""
     measured = rows(results)
     base_name, base = measured[0]
     peer = dict(measured).get("vllm")
     floor = results["floor"]["output_tokens_per_s"]
-    head = f"| engine | output tok/s | vs {base_name} | vs vLLM | of the floor |\n|---|---:|---:|---:|---:|"
+    head = f"| engine | output tok/s | vs {base_name} | vs vLLM | of the bound |\n|---|---:|---:|---:|---:|"
     lines = [f"| {name} | {tps:.1f} | {tps / base:.2f}x | {f'{tps / peer:.2f}x' if peer else '-'} | "
              f"{100 * tps / floor:.0f}% |" for name, tps in measured]
     return "\n".join([head, *lines])

@@ -444,7 +444,7 @@ def format_table(res: ThroughputResult) -> str:
                      + (f"; an engine at the floor would be {', '.join(ceilings)}" if ceilings else ""))
         ours = res.systems[0]
         if not ours.error and ours.wall_s:
-            lines.append(f"  ours runs at {f['bound_s'] / ours.wall_s:.0%} of the floor")
+            lines.append(f"  ours runs at {f['bound_s'] / ours.wall_s:.0%} of the roofline bound")
     # The best rounds can fall in different spells of a noisy machine; the interleaved rounds' own
     # ratios (each pair run back to back) say how steady the ratio was.
     base = res.systems[0].notes.get("round_walls_s") if not res.systems[0].error else None
