@@ -591,6 +591,10 @@ def _problems(c: EngineConfig, headless: bool):
     if c.enable_expert_parallel and c.tensor_parallel_size < 2:
         yield ("--enable-expert-parallel puts experts on the tensor-parallel ranks: it needs "
                "--tensor-parallel-size of 2 or more")
+    if c.nnodes and c.nnodes > 1 and c.data_parallel_size > 1:  # each engine's ranks would span hosts
+        yield (f"--data-parallel-size {c.data_parallel_size} with --nnodes {c.nnodes}: an engine's tensor-parallel "
+               f"ranks across nodes cannot be combined with data parallelism here; spread the engines over nodes "
+               f"instead (--data-parallel-size-local, --data-parallel-address), each engine's ranks on one node")
     if c.nnodes and c.nnodes > 1 and c.tensor_parallel_size % c.nnodes:
         yield f"--tensor-parallel-size ({c.tensor_parallel_size}) must divide evenly over --nnodes ({c.nnodes})"
     if c.nnodes and c.node_rank is not None and not 0 <= c.node_rank < c.nnodes:

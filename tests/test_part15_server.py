@@ -239,6 +239,8 @@ BAD = [  # (overrides, the flags the message must name)
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"),
      ["--tensor-parallel-size", "--distributed-executor-backend mp"]),
     (dict(data_parallel_size=4, data_parallel_size_local=2), ["--data-parallel-rpc-port"]),
+    (dict(data_parallel_size=2, tensor_parallel_size=4, nnodes=2, node_rank=0, master_addr="10.0.0.1"),
+     ["--data-parallel-size 2", "--nnodes 2", "--data-parallel-size-local"]),
     (dict(speculative_model="some/draft"), ["--speculative-model", "--speculative-method draft_model"]),
     (dict(speculative_method="ngram", prompt_lookup_min=4, prompt_lookup_max=2), ["--prompt-lookup-min"]),
     (dict(max_num_seqs=2048), ["--max-num-batched-tokens", "--max-num-seqs"]),
