@@ -41,11 +41,6 @@ environment_variables: dict[str, EnvVar] = {
 }
 
 
-def effective(registry: dict[str, EnvVar]) -> dict[str, Any]:
-    """Each switch's value now: the variable's if set, else its default."""
-    return {name: var.read(name) for name, var in registry.items()}
-
-
 def __getattr__(name: str) -> Any:
     if name in environment_variables:
         return environment_variables[name].read(name)
