@@ -13,7 +13,6 @@ log_softmax over the prompt's logits is the oracle.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -28,20 +27,16 @@ TOL = 1e-4
 
 
 def tiny_checkpoint(path: Path) -> Path:
-    """A 2-layer Llama with random weights, saved whole, and the embedded model's tokenizer."""
+    """test_part15_server.py's tiny Llama folder (config and the embedded model's tokenizer), its
+    random weights saved whole so that HF and the engine load the same ones."""
+    from test_part15_server import tiny_model_folder
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shared.tokenizer import TOKENIZER_FILES
-    from shared.weights import resolve_model_path
-
+    tiny_model_folder(path)
+    config = LlamaConfig.from_pretrained(path)
+    config.max_position_embeddings = 512
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     LlamaForCausalLM(config).save_pretrained(path)
-    embedded = resolve_model_path(None)
-    for name in (*TOKENIZER_FILES, "special_tokens_map.json", "chat_template.jinja"):
-        if (embedded / name).exists():
-            shutil.copy(embedded / name, path / name)
     return path
 
 
