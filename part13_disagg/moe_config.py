@@ -1,7 +1,7 @@
 """What a mixture-of-experts checkpoint adds to a dense one, read from its HF config.
 
-The attention of Mixtral is Mistral's and that of Qwen2-MoE is Qwen2's, so the shared ModelConfig
-describes them unchanged; MoEConfig holds the rest: how many experts, how many each token uses,
+The attention of Mixtral is Mistral's, that of Qwen2-MoE Qwen2's and that of Qwen3-MoE Qwen3's, so
+the shared ModelConfig describes them unchanged; MoEConfig holds the rest: how many experts, how many each token uses,
 their size, whether the top-k weights are renormalised, the shared expert, which layers are
 sparse."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from shared.config import ModelConfig
 from shared.weights import generation_eos_token_ids, read_hf_config
 
 # A MoE model's attention family: the dense model_type whose attention it has.
-ATTENTION_OF = {"mixtral": "mistral", "qwen2_moe": "qwen2"}
+ATTENTION_OF = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,10 @@ class MoEConfig:
     def from_hf(cls, hf) -> "MoEConfig":
         if hf.model_type == "mixtral":
             return cls("mixtral", hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, True)
-        return cls("qwen2_moe", hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
-                   bool(hf.norm_topk_prob), hf.shared_expert_intermediate_size, hf.decoder_sparse_step,
-                   tuple(hf.mlp_only_layers or ()))
+        # Qwen2-MoE and Qwen3-MoE; Qwen3-MoE has no shared expert.
+        return cls(hf.model_type, hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+                   bool(hf.norm_topk_prob), getattr(hf, "shared_expert_intermediate_size", 0) or 0,
+                   hf.decoder_sparse_step, tuple(hf.mlp_only_layers or ()))
 
 
 def load_configs(path: Path) -> tuple[ModelConfig, MoEConfig | None]:

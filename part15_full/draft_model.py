@@ -29,9 +29,9 @@ from torch import nn
 
 from shared.model import LlamaForCausalLM
 from shared.sampler import Sampler, SamplingRow, argmax_rows
-from shared.weights import load_model, resolve_model_path
+from shared.weights import load_config, load_model, resolve_model_path
 
-from .paged_attention import get_attention_backend
+from .paged_attention import attention_options, get_attention_backend
 
 
 class LayerTruncatedDraft(nn.Module):
@@ -48,9 +48,10 @@ class LayerTruncatedDraft(nn.Module):
         self.config = dataclasses.replace(target.config, num_hidden_layers=num_layers)
         self.embed_tokens, self.norm, self.lm_head = target.embed_tokens, target.norm, target.lm_head
         self.layers = target.layers[:num_layers]
+        # The target family's own embedding and logits (Gemma scales the one and caps the other).
+        self.embed_input_ids, self.compute_logits = target.embed_input_ids, target.compute_logits
 
     forward = LlamaForCausalLM.forward  # the same code over fewer layers
-    compute_logits = LlamaForCausalLM.compute_logits
 
 
 class DraftSlots:
@@ -74,14 +75,17 @@ class DraftModelProposer(DraftSlots):
         if model is None:
             self.model = LayerTruncatedDraft(target, num_layers)
         else:
-            self.model = load_model(resolve_model_path(model), device, dtype, max_model_len, load_format)
+            path = resolve_model_path(model)
+            self.model = load_model(path, device, dtype, max_model_len, load_format,
+                                    cfg=load_config(path, per_layer_attention=True))
             if self.model.config.vocab_size != target.config.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({self.model.config.vocab_size}) differs from "
                                  f"the target's ({target.config.vocab_size}): drafts must be the target's tokens")
         c = self.model.config
         attn = self.model.layers[0].self_attn  # a self-draft's heads are its rank's (part 09)
         self.attn = get_attention_backend(c.num_hidden_layers, num_blocks, block_size, attn.num_heads,
-                                          attn.num_kv_heads, c.head_dim, dtype, device, use_triton)
+                                          attn.num_kv_heads, c.head_dim, dtype, device, use_triton,
+                                          **attention_options(c))
 
 
 def sample_drafts(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:

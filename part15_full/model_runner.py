@@ -52,7 +52,7 @@ from .quantization import get_quant_config
 from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_config
 from .moe_config import load_configs
 from .attention_metadata import NULL_BLOCK_ID, PAD_SLOT_ID, PagedAttentionMetadata
-from .paged_attention import TritonAttention, get_attention_backend
+from .paged_attention import TritonAttention, attention_options, get_attention_backend
 from .rejection_sampler import RejectionOutput, RejectionSampler, SpecDecodeMetadata
 from .structured_output.bitmask import unpack_bitmask
 from .structured_output.manager import GrammarOutput
@@ -215,7 +215,8 @@ class ModelRunner:
             raise ValueError(f"a KV budget of {budget / 2**20:.0f} MiB holds fewer than 2 blocks")
         # Part 15: the attention backend for this device and model, chosen once (paged_attention.py).
         self.attn = get_attention_backend(c.num_hidden_layers, self.num_blocks, self.block_size, attn.num_heads,
-                                          attn.num_kv_heads, c.head_dim, self.dtype, self.device, config.use_triton)
+                                          attn.num_kv_heads, c.head_dim, self.dtype, self.device, config.use_triton,
+                                          **attention_options(c))
         # Part 15: torch.compile of the model, attention one opaque op in its graph (compilation.py).
         compile_model(self.model, self.attn, self.compilation_mode)
         self.kv_transfer_config = resolve_kv_transfer_config(config)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.attention import sdpa
+from shared.attention import sdpa, softcapped_attention
+from shared.config import ModelConfig
 from shared.device import kv_cache_zeros
 from shared.forward_context import AttentionBackend
 
@@ -63,6 +64,7 @@ class _ReferencePlan:
     decode_rows: torch.Tensor | None  # rows of q that are decode tokens (one per sequence)
     decode_tables: torch.Tensor | None  # their block tables, cut to the longest of them
     decode_len: int
+    decode_idx: torch.Tensor | None  # their sequences' indices in the batch
     decode_mask: torch.Tensor | None  # [Bd, decode_len]: True where a key exists
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, seq_len, blocks)
 
@@ -75,7 +77,7 @@ def _reference_plan(metadata: PagedAttentionMetadata, block_size: int) -> _Refer
     q_lens = [end - start for start, end in zip(starts, starts[1:])]
     device = metadata.seq_lens.device
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    rows = tables = mask = None
+    rows = idx = tables = mask = None
     max_len = 0
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=device)
@@ -85,14 +87,17 @@ def _reference_plan(metadata: PagedAttentionMetadata, block_size: int) -> _Refer
         mask = torch.arange(max_len, device=device)[None, :] < metadata.seq_lens[idx][:, None]
     prefills = [(starts[i], n, seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], block_size)].long())
                 for i, n in enumerate(q_lens) if n > 1]
-    metadata._plan = _ReferencePlan(rows, tables, max_len, mask, prefills)
+    metadata._plan = _ReferencePlan(rows, tables, max_len, idx, mask, prefills)
     return metadata._plan
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        metadata: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                        metadata: PagedAttentionMetadata, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the new tokens q [T, H, D] over everything each sequence has in the
-    cache (this step's K/V must already be stored). GQA when H is a multiple of KV. -> [T, H, D]"""
+    cache (this step's K/V must already be stored). GQA when H is a multiple of KV. -> [T, H, D]
+    `window`: a token at position i sees keys i - window < j <= i only (a sliding-window layer);
+    `softcap`: tanh-capped scores (shared/attention.py)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     plan = _reference_plan(metadata, k_cache.shape[1])
 
@@ -104,15 +109,23 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = gather_blocks(k_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)  # [Bd, KV, L, D]
         v = gather_blocks(v_cache, plan.decode_tables, plan.decode_len).transpose(1, 2)
         qd = q[plan.decode_rows]
-        o = F.scaled_dot_product_attention(qd.view(qd.shape[0], k.shape[1], -1, qd.shape[-1]), k, v,
-                                           attn_mask=plan.decode_mask[:, None, None, :], scale=scale)
+        qd4 = qd.view(qd.shape[0], k.shape[1], -1, qd.shape[-1])
+        mask = plan.decode_mask
+        if window is not None:  # and not older than the window: keys j > seq_len - 1 - window
+            mask = mask & (torch.arange(plan.decode_len, device=q.device)[None, :]
+                           >= metadata.seq_lens[plan.decode_idx][:, None] - window)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qd4, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        else:
+            o = softcapped_attention(qd4, k, v, mask[:, None, None, :], scale, softcap)
         out[plan.decode_rows] = o.reshape(qd.shape)
 
     # Longer queries one sequence at a time: gather its blocks; the causal mask is offset by the
     # context already cached (q_start), which sdpa() handles.
     for start, q_len, seq_len, tables in plan.prefills:
         k, v = gather_blocks(k_cache, tables, seq_len), gather_blocks(v_cache, tables, seq_len)
-        out[start:start + q_len] = sdpa(q[start:start + q_len], k, v, scale, q_start=seq_len - q_len)
+        out[start:start + q_len] = sdpa(q[start:start + q_len], k, v, scale, q_start=seq_len - q_len,
+                                        window=window, softcap=softcap)
     return out
 
 
@@ -131,7 +144,8 @@ class PagedAttention(AttentionBackend):
     cudagraph_support = AttentionCGSupport.NEVER
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str, scale: float | None = None):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, scale: float | None = None,
+                 sliding_windows: tuple[int | None, ...] | None = None, logit_softcap: float | None = None):
         device = torch.device(device)
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padded reads of never-written slots then meet finite numbers
@@ -141,6 +155,10 @@ class PagedAttention(AttentionBackend):
         self.v_cache = kv_cache_zeros(shape, dtype, device)
         self.block_size = block_size
         self.scale = head_dim ** -0.5 if scale is None else scale
+        # Each layer's window (None: full causal attention), as the model's config lays them out
+        # (Gemma: five sliding layers to one global), and Gemma 2's cap on the scores.
+        self.windows = tuple(sliding_windows) if sliding_windows else (None,) * num_layers
+        self.logit_softcap = logit_softcap
         self.kv_connector = None  # part 13: its per-layer hooks (set by ModelRunner.register_kv_connector)
 
     @property
@@ -177,7 +195,8 @@ class TorchAttention(PagedAttention):
     def attend(self, layer_idx, q, k, v, metadata, out=None):
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
         reshape_and_cache_ref(k, v, k_cache, v_cache, metadata.slot_mapping)
-        result = paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)
+        result = paged_attention_ref(q, k_cache, v_cache, metadata, self.scale, self.windows[layer_idx],
+                                     self.logit_softcap)
         return result if out is None else out.copy_(result)
 
 
@@ -192,7 +211,14 @@ class TritonAttention(PagedAttention):
 
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
         triton_kernels.reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return triton_kernels.paged_attention(q, k_cache, v_cache, metadata, self.scale, out)
+        return triton_kernels.paged_attention(q, k_cache, v_cache, metadata, self.scale, out,
+                                              window=self.windows[layer_idx], softcap=self.logit_softcap)
+
+
+def attention_options(cfg: ModelConfig) -> dict:
+    """What a backend takes from the model's config beyond its shapes: the score scale, each layer's
+    sliding window (None: full causal attention) and the scores' soft-cap (Gemma 2)."""
+    return dict(scale=cfg.attention_scale, sliding_windows=cfg.layer_windows, logit_softcap=cfg.attn_logit_softcap)
 
 
 # The CPU's backend, by its qualified name: the stage imports the CPU appendix only on a CPU, and only
@@ -208,15 +234,18 @@ def resolve_obj_by_qualname(qualname: str):
 
 def get_attention_backend(num_layers: int, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
                           head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                          use_triton: bool | None = None) -> PagedAttention:
+                          use_triton: bool | None = None, scale: float | None = None,
+                          sliding_windows: tuple[int | None, ...] | None = None,
+                          logit_softcap: float | None = None) -> PagedAttention:
     """The backend for this device and model, chosen once: Triton on a GPU (or when asked), on a CPU the
     C kernel where it is built and the shapes fit it (cpu/README.md), else the torch reference."""
     device = torch.device(device)
     args = (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    kwargs = dict(scale=scale, sliding_windows=sliding_windows, logit_softcap=logit_softcap)
     if use_triton if use_triton is not None else device.type == "cuda":
-        return TritonAttention(*args)
+        return TritonAttention(*args, **kwargs)
     if device.type == "cpu":
-        backend = resolve_obj_by_qualname(CPU_ATTENTION_BACKEND).create(*args, num_heads=num_heads)
+        backend = resolve_obj_by_qualname(CPU_ATTENTION_BACKEND).create(*args, num_heads=num_heads, **kwargs)
         if backend is not None:
             return backend
-    return TorchAttention(*args)
+    return TorchAttention(*args, **kwargs)

@@ -6,7 +6,9 @@ paged_attention.py computes the same thing and is what they are tested against).
   in the spirit of vLLM's unified Triton attention. A program owns (sequence, KV head, block of
   query rows). It walks that sequence's keys in tiles, finding each key's physical block in the
   block table, and keeps a running (online) softmax in fp32, so no [q_len, seq_len] score matrix
-  is ever materialised.
+  is ever materialised. A sliding-window layer masks keys older than the window and starts its walk
+  at the first tile its rows can see (so it reads O(window) keys, not O(seq_len)); Gemma 2's
+  soft-cap squashes the scores with a tanh before the softmax.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (set before triton is imported)."""
 from __future__ import annotations
@@ -60,6 +62,8 @@ def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale,
+    window,  # a row at position i sees keys i - window < j <= i (read only if USE_WINDOW)
+    softcap,  # scores become softcap * tanh(score / softcap) (read only if USE_SOFTCAP)
     stride_qt, stride_qh, stride_ot, stride_oh,  # q, out: [T, H, D], last dim contiguous
     stride_cb, stride_cs, stride_ch,  # caches: [num_blocks, block_size, KV, D], same strides
     stride_bt,  # block_tables: [B, max_blocks]
@@ -70,6 +74,10 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # rows of the score tile = BLOCK_Q * QPKV_PAD (>= 16 for tl.dot)
     TILE_N: tl.constexpr,  # keys per loop iteration (>= 16 for tl.dot)
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    # Compile-time switches, so a plain layer's kernel is exactly the one without these features;
+    # the window and cap values themselves are runtime arguments, fixed per layer for the whole
+    # run, so a model compiles at most two variants (sliding and global layers), both at warm-up.
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,7 +113,13 @@ def _paged_attention_kernel(
 
     # No row of this program sees a key past its last query token: stop the loop there.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    for tile_start in range(0, kv_end, TILE_N):
+    kv_start = 0
+    if USE_WINDOW:
+        # Nor, with a window, a key before the first one its first (earliest) row sees: start at
+        # that key's tile, so a sliding layer never walks the tiles every row has left behind.
+        first_key = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+        kv_start = (first_key // TILE_N) * TILE_N
+    for tile_start in range(kv_start, kv_end, TILE_N):
         n = tile_start + tl.arange(0, TILE_N)  # key positions of this tile
         n_ok = n < kv_end
         # Paging: key position n lives in logical block n // BLOCK_SIZE, whose physical block
@@ -116,13 +130,27 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],  # K transposed: [D, TILE_N]
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         s = tl.dot(q, k, input_precision="ieee") * scale  # [BLOCK_M, TILE_N]
-        s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        if USE_SOFTCAP:
+            # tanh(x) = 2 * sigmoid(2x) - 1 (tl has no tanh the interpreter runs), in fp32; capped
+            # before the mask, since the cap of a -inf would be a finite -softcap.
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        seen = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if USE_WINDOW:
+            seen = seen & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
 
-        # Every row sees key 0 in the first tile, so m_new is finite from then on and
-        # exp(-inf - m_new) is a clean 0 (no -inf - -inf = NaN).
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        # Without a window every row sees key 0 in the first tile, so m_new is finite from then
+        # on and exp(-inf - m_new) is a clean 0 (no -inf - -inf = NaN).
+        m_sub = m_new
+        if USE_WINDOW:
+            # A row whose window starts past this tile has seen no key yet: its max is -inf, and
+            # exp(-inf - -inf) would be NaN. Subtracting 0 instead keeps p, alpha, l_i and acc at a
+            # clean 0; m_i stays -inf, so its first real max replaces it (and alpha is 0 then).
+            # Every real row sees its own key, so l_i ends > 0.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_sub[:, None])
+        alpha = tl.exp(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :],  # [TILE_N, D]
@@ -130,6 +158,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
+    if USE_WINDOW:  # a padding row past the last query token may see no key: no 0 / 0 (not stored)
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + q_tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -137,9 +167,11 @@ def _paged_attention_kernel(
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     metadata: PagedAttentionMetadata, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the new tokens q [T, H, D] over each sequence's cached K/V
-    (this step's K/V already stored). Returns out [T, H, D]."""
+    (this step's K/V already stored). Returns out [T, H, D]. `window`: a token at position i
+    sees keys i - window < j <= i only; `softcap`: tanh-capped scores (as paged_attention_ref)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -160,13 +192,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        scale,
+        scale, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         metadata.block_tables.stride(0),
         BLOCK_SIZE=k_cache.shape[1], QUERIES_PER_KV=queries_per_kv, QPKV_PAD=qpkv_pad,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=32,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)))
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None)
     return out
 
 

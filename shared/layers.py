@@ -3,7 +3,6 @@
 replace them without touching the model definition."""
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import envs
+from .rotary_embedding import RotaryEmbedding  # noqa: F401 (the model's layers, from one module)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -243,46 +243,14 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+class GeluAndMul(nn.Module):
+    """GeGLU (Gemma): gelu(gate) * up, with the tanh approximation when the config names
+    gelu_pytorch_tanh."""
 
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a precomputed cos/sin table indexed by position, so a
-    flattened batch of tokens at arbitrary positions rotates in one gather."""
-
-    def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None):
+    def __init__(self, approximate: str = "none"):
         super().__init__()
-        self.head_dim = head_dim
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.approximate = approximate
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, D], k: [T, kv_heads, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

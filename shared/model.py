@@ -1,4 +1,7 @@
-"""One Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM, TinyLlama).
+"""One Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM, TinyLlama), and the base every
+other family of shared/models/ subclasses, overriding only what it changes: the attention
+(`attention_cls`), the decoder layer (`decoder_layer_cls`), each layer's rotary embedding
+(`rotary_for`), the embedding (`embed_input_ids`), the logits and the weight names.
 
 Inputs are flattened: `input_ids` and `positions` are 1-D over every token of the step, with no
 batch dimension and no padding. Attention is delegated to the backend in the forward context.
@@ -13,7 +16,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .forward_context import get_forward_context
-from .layers import (LMHead, Linear, MergedLinear, QKVLinear, QuantizationConfig, RMSNorm,
+from .layers import (GeluAndMul, LMHead, Linear, MergedLinear, QKVLinear, QuantizationConfig, RMSNorm,
                      RotaryEmbedding, SiluAndMul, VocabEmbedding, default_weight_loader)
 
 
@@ -58,8 +61,12 @@ class LayerFactory:
     def rms_norm(self, cfg: ModelConfig) -> RMSNorm:
         return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def rotary_embedding(self, cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
-        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+    def rotary_embedding(self, cfg: ModelConfig, max_positions: int,
+                         layer_type: str = "full_attention") -> RotaryEmbedding:
+        """layer_type "sliding_attention" on a model with a local RoPE base (Gemma 3): that base, unscaled."""
+        if layer_type == "sliding_attention" and cfg.rope_local_theta is not None:
+            return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta, None, cfg.rotary_dim)
+        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
 
     def silu_and_mul(self) -> SiluAndMul:
         return SiluAndMul()
@@ -85,7 +92,7 @@ class WrappedLayers:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, layers: LayerFactory,
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, layers: LayerFactory,
                  prefix: str):
         super().__init__()
         self.layer_idx = layer_idx
@@ -96,6 +103,9 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.o_proj = layers.o_proj(cfg, f"{prefix}.o_proj")
         self.rotary = rotary
+        # Per-head RMSNorms of q and k before RoPE: none in Llama (Qwen3 and Gemma 3 set them).
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -103,7 +113,10 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:  # None: a layer without position embedding (SmolLM3's NoPE layers)
+            q, k = self.rotary(positions, q, k)
         ctx = get_forward_context()
         out = ctx.backend.forward(self.layer_idx, q, k, v, ctx.metadata)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -113,7 +126,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: LayerFactory, prefix: str):
         super().__init__()
         self.gate_up_proj = layers.gate_up_proj(cfg, f"{prefix}.gate_up_proj")
-        self.act = layers.silu_and_mul()
+        # SwiGLU, or GeGLU (Gemma: gelu_pytorch_tanh is gelu's tanh approximation).
+        self.act = layers.silu_and_mul() if cfg.hidden_act == "silu" else \
+            GeluAndMul("tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none")
         self.down_proj = layers.down_proj(cfg, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,11 +136,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, layers: LayerFactory,
+    attention_cls = LlamaAttention
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, layers: LayerFactory,
                  prefix: str):
         super().__init__()
         self.input_layernorm = layers.rms_norm(cfg)
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, layers, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(cfg, layer_idx, rotary, layers, f"{prefix}.self_attn")
         self.post_attention_layernorm = layers.rms_norm(cfg)
         self.mlp = layers.mlp(cfg, layer_idx, f"{prefix}.mlp")
 
@@ -145,22 +162,37 @@ class LlamaForCausalLM(nn.Module):
                       ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
                       ("gate_up_proj", "up_proj", 1)]
 
+    decoder_layer_cls = LlamaDecoderLayer
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, layers: LayerFactory | None = None):
         super().__init__()
         self.config = cfg
         layers = layers or LayerFactory()
-        rotary = layers.rotary_embedding(cfg, max_positions or cfg.max_position_embeddings)
+        max_positions = max_positions or cfg.max_position_embeddings
+        rotaries: dict[str, RotaryEmbedding] = {}  # one table per kind of layer, shared by those layers
         self.embed_tokens = layers.embed_tokens(cfg, "model.embed_tokens")
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, layers, f"model.layers.{i}")
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            self.decoder_layer_cls(cfg, i, self.rotary_for(i, layers, max_positions, rotaries), layers,
+                                   f"model.layers.{i}")
+            for i in range(cfg.num_hidden_layers))
         self.norm = layers.rms_norm(cfg)
         self.lm_head = layers.lm_head(cfg, "lm_head")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def rotary_for(self, layer_idx: int, layers: LayerFactory, max_positions: int,
+                   rotaries: dict[str, RotaryEmbedding]) -> RotaryEmbedding | None:
+        """The rotary embedding of one layer: in Llama every layer shares one."""
+        if "full_attention" not in rotaries:
+            rotaries["full_attention"] = layers.rotary_embedding(self.config, max_positions)
+        return rotaries["full_attention"]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] for every token."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed_input_ids(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)

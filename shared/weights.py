@@ -12,6 +12,7 @@ import torch
 from .config import ModelConfig
 from .gguf_convert import EMBEDDED_NAME, embedded_model_path
 from .model import LayerFactory, LlamaForCausalLM
+from .models.registry import get_model_class
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
@@ -40,8 +41,11 @@ def served_model_name(model: str | None) -> str:
     return path.name if path.is_dir() else model
 
 
-def load_config(path: Path) -> ModelConfig:
-    return read_hf_config(path, lambda hf: ModelConfig.from_hf(hf, eos_token_ids=generation_eos_token_ids(path)))
+def load_config(path: Path, per_layer_attention: bool = False) -> ModelConfig:
+    """per_layer_attention: the caller's attention backends implement sliding windows, soft-capped
+    scores and a custom scale (part 15's); without, windows cap the context (shared/config.py)."""
+    eos = generation_eos_token_ids(path)
+    return read_hf_config(path, lambda hf: ModelConfig.from_hf(hf, eos, per_layer_attention))
 
 
 T = TypeVar("T")
@@ -54,8 +58,11 @@ class _FieldNotInFile(Exception):
 # Fields whose absence from config.json means exactly what the getattr defaults of ModelConfig.from_hf
 # say, for every supported model class (the class lacks the field, or defaults to the same value).
 ABSENT_MEANS_DEFAULT = {"hidden_act", "head_dim", "attention_bias", "mlp_bias", "use_sliding_window",
-                        "rope_scaling", "rope_parameters"}
-ABSENT_MEANS_DEFAULT_FOR = {"llama": {"sliding_window"}}
+                        "rope_scaling", "rope_parameters", "partial_rotary_factor", "architectures"}
+ABSENT_MEANS_DEFAULT_FOR = {"llama": {"sliding_window"}, "mistral": {"layer_types"}}
+# Families read from config.json directly; any other's config comes from transformers, which fills
+# in what its class derives (Gemma's layer types, RoPE per layer type, SmolLM3's NoPE layers).
+READ_DIRECTLY = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
 
 class _JsonConfig:
@@ -78,7 +85,10 @@ def read_hf_config(path: Path, build: Callable[[Any], T]) -> T:
     seconds in every process that loads a model (engines, workers), and files written by recent
     save_pretrained hold every field."""
     try:
-        return build(_JsonConfig(json.loads((Path(path) / "config.json").read_text())))
+        fields = json.loads((Path(path) / "config.json").read_text())
+        if fields.get("model_type") not in READ_DIRECTLY:
+            raise _FieldNotInFile("model_type")
+        return build(_JsonConfig(fields))
     except (_FieldNotInFile, FileNotFoundError):
         from transformers import AutoConfig
 
@@ -151,21 +161,23 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(path: Path, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, load_format: str = "auto",
                layers: LayerFactory | None = None, cfg: ModelConfig | None = None,
-               load_weights: Callable[[LlamaForCausalLM, Iterator], set[str]] | None = None) -> LlamaForCausalLM:
+               load_weights: Callable[[LlamaForCausalLM, Iterator], set[str]] | None = None,
+               model_class: type[LlamaForCausalLM] | None = None) -> LlamaForCausalLM:
     """load_format "auto": the checkpoint in `path`; "dummy": random weights, only config.json read.
-    `layers`: the model's LayerFactory (default: dense layers). A model family of a later part may
-    pass its own `cfg` and `load_weights(model, weights)` (default: the model's own loader).
+    The class is the registry's for the config's architecture (shared/models/registry.py), unless
+    `model_class` is given. `layers`: the model's LayerFactory (default: dense layers). A model family
+    of a later part may pass its own `cfg` and `load_weights(model, weights)` (default: the model's own loader).
     Parameters are created in `dtype` by their layers (a quantized format's integer ones keep
     theirs: nothing here casts them); each layer's quantize method runs once loading is done."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     cfg = cfg or load_config(path)
     with torch.device(device), default_dtype(dtype):
-        model = LlamaForCausalLM(cfg, max_positions=max_positions, layers=layers)
+        model = (model_class or get_model_class(cfg.architecture))(cfg, max_positions=max_positions, layers=layers)
     if load_format == "dummy":
         initialize_dummy_weights(model)
     else:
-        loaded = (load_weights or LlamaForCausalLM.load_weights)(model, iterate_weights(path))
+        loaded = (load_weights or type(model).load_weights)(model, iterate_weights(path))
         expected = {n for n, _ in model.named_parameters()}
         missing = expected - loaded
         if missing:

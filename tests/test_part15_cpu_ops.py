@@ -87,7 +87,7 @@ def rotary_ref(positions, x, layer):
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (33, 9, 3, 64), (200, 8, 2, 128)])
 def test_rotary_rotates_the_qkv_views_in_place(ops, tokens, heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(1)
-    ours = CpuRotaryEmbedding(head_dim, 4096, 10000.0, None, ops)
+    ours = CpuRotaryEmbedding(RotaryEmbedding(head_dim, 4096, 10000.0), ops)
     torch_layer = RotaryEmbedding(head_dim, 4096, 10000.0)
     # q, k as the model makes them: views into one fused projection's rows, v after them
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
@@ -110,7 +110,7 @@ def test_rotary_rotates_the_qkv_views_in_place(ops, tokens, heads, kv_heads, hea
 
 
 def test_a_position_outside_the_table_raises_and_changes_nothing(ops):
-    ours = CpuRotaryEmbedding(8, 16, 10000.0, None, ops)
+    ours = CpuRotaryEmbedding(RotaryEmbedding(8, 16, 10000.0), ops)
     q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
     q0, k0 = q.clone(), k.clone()
     with pytest.raises(IndexError, match="outside the rotary table"):
@@ -150,7 +150,7 @@ def test_what_the_kernels_do_not_take_goes_to_the_torch_layers(ops):
     assert torch.equal(got, want) and torch.equal(got_res, want_res)
     assert torch.equal(CpuSiluAndMul(ops)(wide[:, ::2]), SiluAndMul()(wide[:, ::2]))
     q, k = torch.randn(3, 4, 8).transpose(0, 1), torch.randn(4, 1, 8)  # heads not side by side
-    rot, rot_ref = CpuRotaryEmbedding(8, 16, 10000.0, None, ops), RotaryEmbedding(8, 16, 10000.0)
+    rot, rot_ref = CpuRotaryEmbedding(RotaryEmbedding(8, 16, 10000.0), ops), RotaryEmbedding(8, 16, 10000.0)
     pos = torch.tensor([1, 2, 3, 4])
     assert all(torch.equal(a, b) for a, b in zip(rot(pos, q, k), rot_ref(pos, q, k)))
 
@@ -203,7 +203,7 @@ def test_bf16_rounding_is_to_nearest_even_and_keeps_inf_and_nan(ops):
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (33, 9, 3, 64), (200, 8, 2, 128)])
 def test_bf16_rotary_rotates_in_place_within_one_rounding(ops, tokens, heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(5)
-    ours = CpuRotaryEmbedding(head_dim, 4096, 10000.0, None, ops)
+    ours = CpuRotaryEmbedding(RotaryEmbedding(head_dim, 4096, 10000.0), ops)
     qkv = bf16(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
     positions = torch.randint(0, 4096, (tokens,), generator=g)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from torch import nn
 
 from shared.config import ModelConfig
 from shared.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, UnquantizedLinearMethod
@@ -89,8 +90,12 @@ class CpuRMSNorm(RMSNorm):
 
 
 class CpuRotaryEmbedding(RotaryEmbedding):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None, ops: dict):
-        super().__init__(head_dim, max_position, theta, scaling)
+    def __init__(self, rotary: RotaryEmbedding, ops: dict):
+        """The kernel over `rotary`'s cos/sin table (whatever its base and scaling)."""
+        nn.Module.__init__(self)
+        self.head_dim = self.rotary_dim = rotary.head_dim
+        self.register_buffer("cos", rotary.cos, persistent=False)
+        self.register_buffer("sin", rotary.sin, persistent=False)
         self.ops = ops
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -168,10 +173,12 @@ class CpuLayers(WrappedLayers):
             return self.base.rms_norm(cfg)
         return CpuRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
 
-    def rotary_embedding(self, cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
-        if self.ops is None:
-            return self.base.rotary_embedding(cfg, max_positions)
-        return CpuRotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, self.ops)
+    def rotary_embedding(self, cfg: ModelConfig, max_positions: int,
+                         layer_type: str = "full_attention") -> RotaryEmbedding:
+        rotary = self.base.rotary_embedding(cfg, max_positions, layer_type)
+        if self.ops is None or rotary.rotary_dim != rotary.head_dim:  # the kernel rotates whole heads
+            return rotary
+        return CpuRotaryEmbedding(rotary, self.ops)
 
     def silu_and_mul(self) -> SiluAndMul:
         return self.base.silu_and_mul() if self.ops is None else CpuSiluAndMul(self.ops)
