@@ -66,20 +66,51 @@ def assert_matches_dense(out, batch, case):
         start += q_len
 
 
+def windowed_dense(q, k, v, scale, window):
+    """dense_attention with HF's sliding window: q [n, H, D] are the last n of L positions, and
+    position i sees keys i - window < j <= i."""
+    n, length = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos, k_pos = torch.arange(length - n, length)[:, None], torch.arange(length)[None, :]
+    seen = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v)
+
+
+def assert_matches_windowed_dense(out, batch, case, window):
+    """assert_matches_dense's bounds, against float64 attention over each row's window."""
+    if window is None:
+        return assert_matches_dense(out, batch, case)
+    start = 0
+    for i, (seq_len, q_len) in enumerate(case.seqs):
+        want = windowed_dense(batch["q"][start:start + q_len], batch["dense_k"][i], batch["dense_v"][i],
+                              batch["scale"], window)
+        got = out[start:start + q_len].double()
+        if case.dtype == torch.float32:
+            assert (got - want).abs().max() < 1e-4, (seq_len, q_len)
+        elif cpu_attention.uses_kernel(q_len, seq_len, case.dtype):
+            torch.testing.assert_close(got, want, rtol=2 ** -8, atol=1e-5)
+        else:
+            assert (got - want).abs().max() < ATOL[torch.bfloat16], (seq_len, q_len)
+        start += q_len
+
+
 SOURCE = CSRC / "paged_attention_cpu.c"
 
 
 class Kernel:
     """The CPU backend over the given pools of one layer: kernel.forward(q, k, v, k_cache, v_cache,
-    metadata, scale) -> out, as the backend computes it for a layer."""
+    metadata, scale, window=None) -> out, as the backend computes it for a layer (a sliding-window
+    one with `window`)."""
 
     def __init__(self, lib):
         self.lib = lib
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, window=None):
         num_blocks, block_size, kv_heads, d = k_cache.shape
         backend = cpu_attention.CpuAttention(1, 1, block_size, kv_heads, d, k_cache.dtype, "cpu", scale,
-                                             lib=self.lib, num_heads=q.shape[1])
+                                             sliding_windows=(window,), lib=self.lib, num_heads=q.shape[1])
         backend.k_cache, backend.v_cache = k_cache[None], v_cache[None]
         return backend.forward(0, q, k, v, metadata)
 
@@ -120,10 +151,12 @@ def test_the_kernel_matches_dense_attention_and_the_reference(kernel, name, padd
         torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_threads_split_the_work_without_changing_a_bit(kernel, dtype):
+def test_the_threads_split_the_work_without_changing_a_bit(kernel, dtype, window):
     """Decode rows, verification rows and prefill tiles of unequal lengths, split over 1, 2 and 3
-    threads (the suite's workers may run on one): each item is summed by one thread, in one order."""
+    threads (the suite's workers may run on one): each item is summed by one thread, in one order.
+    In a sliding-window layer too (the work split then counts a row's window, not its length)."""
     case = dataclasses.replace(SHAPES["smollm9-3_d64_bs16_long_and_spec"], dtype=dtype)
     batch = make_batch(case, seed=5)
     args = (batch["q"], batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], batch["metadata"],
@@ -133,11 +166,11 @@ def test_the_threads_split_the_work_without_changing_a_bit(kernel, dtype):
         outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outs.append(kernel.forward(*args)[:batch["num_tokens"]].clone())
+            outs.append(kernel.forward(*args, window=window)[:batch["num_tokens"]].clone())
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert_matches_dense(outs[1], batch, case)
+    assert_matches_windowed_dense(outs[1], batch, case, window)
 
 
 def test_the_backend_uses_the_kernel_on_cpu_through_engine_like_steps():
@@ -317,23 +350,27 @@ def test_scores_hundreds_apart_stay_finite(kernel):
     torch.testing.assert_close(out, want, atol=1e-5 * want.abs().max().item(), rtol=1e-4)  # values to ~1e3
 
 
+@pytest.mark.parametrize("window", [None, 6, 21], ids=["full", "window6", "window21"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prefill_row_rounds_the_same_whichever_tile_it_lands_in(kernel, dtype):
+def test_a_prefill_row_rounds_the_same_whichever_tile_it_lands_in(kernel, dtype, window):
     """A prefill's rows go through the kernel in tiles (here 5 rows of 3 query heads), each row's
     sums its own: the same 20 rows as one chunk, or as chunks of 11 and 9 (row 50 then alone in its
     tile, rows 51-55 one tile, not two), give the same bits. A tile-wide softmax maximum, say,
-    would not."""
+    would not. With a window the rows of a tile start at different keys, some in different blocks
+    (window 6: rows of 52-56 keys start at keys 46-50, in blocks 2 and 3), and a tile walks from
+    its earliest: a block wholly before a row's window must leave the row as it was."""
     case = Case(9, 3, 64, 16, ((47, 1), (60, 20)), dtype=dtype)  # a decode row first: the rows shift
     batch = make_batch(case, seed=5)
     q, k, v, scale, bs = batch["q"], batch["k"], batch["v"], batch["scale"], case.block_size
     caches = batch["k_cache"].clone(), batch["v_cache"].clone()  # the context only, as the chunks see it
-    whole = kernel.forward(q, k, v, batch["k_cache"], batch["v_cache"], batch["metadata"], scale)[1:21]
+    whole = kernel.forward(q, k, v, batch["k_cache"], batch["v_cache"], batch["metadata"], scale,
+                           window=window)[1:21]
     table = batch["metadata"].block_tables[1].tolist()
     chunks = []
     for first, q_len in ((1, 11), (12, 9)):
         metadata = PagedAttentionMetadata.build([table], [40 + first - 1 + q_len], [q_len], bs)
         rows = slice(first, first + q_len)
-        chunks.append(kernel.forward(q[rows], k[rows], v[rows], *caches, metadata, scale))
+        chunks.append(kernel.forward(q[rows], k[rows], v[rows], *caches, metadata, scale, window=window))
     assert torch.equal(torch.cat(chunks), whole)
     assert torch.equal(caches[0][table], batch["k_cache"][table])  # and stored the same K/V
 
@@ -354,3 +391,109 @@ def test_the_tiles_off_switch_attends_a_prefill_row_by_row(kernel, monkeypatch):
     monkeypatch.setenv("VLLM_COURSE_CPU_ATTENTION_TILES", "0")  # read as a backend is made
     assert torch.equal(kernel.forward(q, k, v, *caches, batch["metadata"], scale)[:12], alone)
     assert not torch.equal(tiled, alone)
+
+
+# Sliding windows (HF's: position i sees keys i - W < j <= i): decode rows, verification rows, a chunk
+# on a cached context and fresh prefills past SHORT_QUERY (the tiles) and under it (the row kernel);
+# GQA, MQA, MHA, head sizes on and off the vectors' widths. Windows: one key, under a block, across
+# blocks, and past every sequence (then the same bits as no window).
+WINDOW_SHAPES = {
+    "smollm9-3_d64_bs16": Case(9, 3, 64, 16, ((47, 1), (16, 1), (5, 1), (40, 3), (60, 20), (30, 30),
+                                              (12, 12), (7, 7))),
+    "gqa8-2_d128_bs32": Case(8, 2, 128, 32, ((70, 1), (33, 3), (75, 40), (40, 40))),
+    "gqa6-2_d20_bs8": Case(6, 2, 20, 8, ((45, 1), (19, 4), (6, 6), (30, 12), (25, 25))),
+    "mha4-4_d32_bs16": Case(4, 4, 32, 16, ((50, 20), (17, 1), (20, 20))),
+    "mqa3-1_d5_bs4": Case(3, 1, 5, 4, ((23, 1), (7, 2), (23, 10), (14, 14))),
+}
+WINDOWS = (1, 5, 20, 1000)
+
+
+def windowed_run(kernel, case, window, seed=11):
+    """The kernel's output in a layer with `window`, the torch reference's with it, and the kernel's
+    without it, over one batch."""
+    batch = make_batch(case, seed=seed)
+    n, metadata, scale = batch["num_tokens"], batch["metadata"], batch["scale"]
+    q, k, v = batch["q"], batch["k"], batch["v"]
+    ref_k, ref_v = batch["k_cache"].clone(), batch["v_cache"].clone()
+    reshape_and_cache_ref(k, v, ref_k, ref_v, metadata.slot_mapping)
+    want = paged_attention_ref(q[:n], ref_k, ref_v, metadata, scale, window=window)
+    out = kernel.forward(q, k, v, batch["k_cache"], batch["v_cache"], metadata, scale, window=window)[:n]
+    full = kernel.forward(q, k, v, batch["k_cache"], batch["v_cache"], metadata, scale)[:n]
+    return out.clone(), want, full, batch
+
+
+def assert_windowed_matches(out, want, full, batch, case, window):
+    assert_matches_windowed_dense(out, batch, case, window)
+    if case.dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    else:  # the torch reference rounds to bf16 at every op
+        torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    if window >= max(s for s, _ in case.seqs):  # a window past every sequence: no window at all
+        assert torch.equal(out, full)
+    else:  # the window matters here, far beyond the tolerances above: a kernel ignoring it fails
+        assert (out.float() - full.float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(WINDOW_SHAPES))
+def test_the_kernel_attends_a_sliding_window_as_the_reference_does(kernel, name, dtype, window):
+    case = dataclasses.replace(WINDOW_SHAPES[name], dtype=dtype)
+    out, want, full, batch = windowed_run(kernel, case, window)
+    assert_windowed_matches(out, want, full, batch, case, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_long_fresh_prefill_on_sdpa_gets_the_window_too(kernel, monkeypatch, dtype):
+    """A fresh prefill past PREFILL_MAX_LEN (here lowered to 16) goes to gather + SDPA, which masks
+    the same window; beside it a decode row and a chunk on a context in the kernel."""
+    monkeypatch.setitem(cpu_attention.PREFILL_MAX_LEN, dtype, 16)
+    case = Case(9, 3, 64, 16, ((40, 40), (33, 1), (45, 12), (24, 24)), dtype=dtype)
+    assert not cpu_attention.uses_kernel(40, 40, dtype) and cpu_attention.uses_kernel(45, 12, dtype)
+    for window in (6, 21):
+        out, want, full, batch = windowed_run(kernel, case, window)
+        assert_windowed_matches(out, want, full, batch, case, window)
+
+
+def test_per_layer_windows_through_the_backend():
+    """A model whose layer 0 slides (window 3) and layer 1 attends in full (Gemma's and Mistral's
+    layout), through engine-like steps: prefills (one in tiles), decodes, a chunk on a cached context.
+    Each layer as the torch reference with the same windows; layer 0 unlike a full layer."""
+    args = dict(num_layers=2, num_blocks=10, block_size=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                dtype=torch.float32, device="cpu")
+    backend = get_attention_backend(**args, sliding_windows=(3, None))
+    assert isinstance(backend, cpu_attention.CpuAttention) and backend.windows == (3, None)
+    reference = TorchAttention(2, 10, 4, 2, 8, torch.float32, "cpu", sliding_windows=(3, None))
+    unwindowed = TorchAttention(2, 10, 4, 2, 8, torch.float32, "cpu")
+    tables = {"a": [1, 3, 5, 7], "b": [2, 4, 6]}
+    lengths = {"a": 0, "b": 0}
+    g = torch.Generator().manual_seed(9)
+    for step in ([("a", 12), ("b", 3)], [("a", 1), ("b", 1)], [("a", 1), ("b", 6)]):
+        for req, n in step:
+            lengths[req] += n
+        metadata = PagedAttentionMetadata.build([tables[r] for r, _ in step], [lengths[r] for r, _ in step],
+                                                [n for _, n in step], 4)
+        num_tokens = sum(n for _, n in step)
+        for layer in (0, 1):
+            q = torch.randn(num_tokens, 4, 8, generator=g)
+            k, v = torch.randn(2, num_tokens, 2, 8, generator=g)
+            got = backend.forward(layer, q, k, v, metadata)
+            want = reference.forward(layer, q, k, v, metadata)
+            full = unwindowed.forward(layer, q, k, v, metadata)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+            if layer == 1:
+                torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-4)
+            else:
+                assert (got - full).abs().max() > 0.1
+
+
+def test_soft_capped_scores_take_the_torch_reference(caplog):
+    """The kernel has no soft-capping: with logit_softcap the CPU backend is the torch reference,
+    and the log says why."""
+    args = dict(num_layers=2, num_blocks=8, block_size=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                dtype=torch.float32, device="cpu")
+    with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
+        backend = get_attention_backend(**args, sliding_windows=(4, None), logit_softcap=30.0)
+    assert type(backend) is TorchAttention and backend.logit_softcap == 30.0 and backend.windows == (4, None)
+    assert "soft-capping" in caplog.text
+    assert type(get_attention_backend(**args, sliding_windows=(4, None))) is cpu_attention.CpuAttention

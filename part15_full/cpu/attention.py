@@ -15,7 +15,11 @@ rows), each with its own causal length, and a longer query (prefill) while its s
 (uses_kernel); long fresh prefills stay on the gather + SDPA path, where plain causal attention
 suits SDPA (a chunk on a cached context does not: SDPA with a mask is slow).
 A prefill's rows go in tiles of a few rows that read each key once for the whole tile
-(`csrc/prefill_tiles.h`, ~190 lines); decode rows go one at a time.
+(`csrc/prefill_tiles.h`, ~190 lines); decode rows go one at a time. A sliding-window layer's rows
+(the backend's `windows`, one per layer) start their walk at their window's first key, so such a
+layer reads at most a window's keys a row; the SDPA path masks the same keys.
+Soft-capped scores (Gemma 2's `logit_softcap`) are not in the kernel: with them `create` declines
+and TorchAttention serves.
 The same library stores the step's new K/V rows in their slots first (store_kv: one call for K
 and V, where torch took an index_copy_ each). fp32 or bf16. build.py compiles it once per machine;
 kernels.py declares its functions.
@@ -34,6 +38,7 @@ ops.cpu_attn_reshape_and_cache and ops.cpu_attention_with_kv_cache), csrc/cpu/cp
 csrc/cpu/cpu_attn_impl.hpp (the kernels, one per ISA)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
@@ -47,6 +52,8 @@ from ..attention_metadata import PagedAttentionMetadata
 from ..kv_cache_manager import cdiv
 from ..paged_attention import PagedAttention, gather_blocks, reshape_and_cache_ref
 from .kernels import load
+
+logger = logging.getLogger(__name__)
 
 SHORT_QUERY = 8  # queries of up to this many tokens always go through the kernel
 # A longer query (a prefill) goes through it too while its sequence is at most this long, and
@@ -131,6 +138,8 @@ class CpuAttention(PagedAttention):
 
     def __init__(self, *args, lib: SimpleNamespace, num_heads: int, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.logit_softcap is not None:
+            raise ValueError("the CPU kernel has no soft-capped scores (create() returns None for them)")
         self.lib, self.num_heads = lib, num_heads
         # A sequence with more query rows than this in a step is tiled (csrc/prefill_tiles.h).
         self.short_run = SHORT_QUERY if envs.VLLM_COURSE_CPU_ATTENTION_TILES else 2 ** 31 - 1
@@ -143,13 +152,20 @@ class CpuAttention(PagedAttention):
 
     @classmethod
     def create(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-               dtype: torch.dtype, device: torch.device, *, num_heads: int) -> CpuAttention | None:
-        """The backend, or None where the kernel is not built or the model's shapes do not fit it."""
+               dtype: torch.dtype, device: torch.device, *, num_heads: int, scale: float | None = None,
+               sliding_windows: tuple[int | None, ...] | None = None,
+               logit_softcap: float | None = None) -> CpuAttention | None:
+        """The backend, or None where the kernel is not built, the model's shapes do not fit it or its
+        scores are soft-capped (the kernel has no cap)."""
+        if logit_softcap is not None:
+            logger.info("CPU paged attention: the C kernel has no logit soft-capping (logit_softcap=%s), "
+                        "the torch reference serves", logit_softcap)
+            return None
         lib = load_kernel()
         if lib is None or not cls.supports(num_heads, num_kv_heads, head_dim, block_size, dtype):
             return None
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, lib=lib,
-                   num_heads=num_heads)
+                   num_heads=num_heads, scale=scale, sliding_windows=sliding_windows)
 
     def plan(self, metadata: PagedAttentionMetadata) -> _Plan:
         """The step's rows as the kernel takes them (`bind_step` makes it once for every layer)."""
@@ -184,6 +200,8 @@ class CpuAttentionStep:
         self.num_slots = k_cache.shape[1] * k_cache.shape[2]
         self.bf16 = int(k_cache.dtype == torch.bfloat16)
         self.kv_heads, self.d = k_cache.shape[3], k_cache.shape[4]
+        # Each layer's sliding window as the kernel takes it: keys, 0 for none.
+        self.windows = [min(w, 2 ** 31 - 1) if w else 0 for w in backend.windows]
         # paged_attention_rows' arguments after (q, q_row_stride, k_cache, v_cache), up to `out`.
         self.rows_args = (plan.tables.data_ptr(), plan.tables.stride(0), plan.row_idx.data_ptr(),
                           plan.row_seq.data_ptr(), plan.row_len.data_ptr(), plan.tiles.data_ptr(),
@@ -202,18 +220,18 @@ class CpuAttentionStep:
         if plan.row_idx.numel():
             k_cache, v_cache = self.caches[layer_idx]
             status = backend.lib.paged_attention_rows(q_p, q_stride, k_cache, v_cache, *self.rows_args,
-                                                      out.data_ptr(), out.stride(0), torch.get_num_threads(),
-                                                      self.bf16)
+                                                      self.windows[layer_idx], out.data_ptr(), out.stride(0),
+                                                      torch.get_num_threads(), self.bf16)
             if status == -2:
                 raise MemoryError("CPU paged attention: no memory for the bf16 block buffers")
             assert status == 0, "shapes outside the kernel's buffers (fits() should have said)"
         if plan.long:
             k_cache, v_cache = backend.k_cache[layer_idx], backend.v_cache[layer_idx]
-            heads = out.view(out.shape[0], -1, self.d)
+            heads, window = out.view(out.shape[0], -1, self.d), backend.windows[layer_idx]
             for start, q_len, seq_len, tables in plan.long:  # prefill: gather its context, then SDPA
                 keys, values = gather_blocks(k_cache, tables, seq_len), gather_blocks(v_cache, tables, seq_len)
                 heads[start:start + q_len] = sdpa(q[start:start + q_len], keys, values, backend.scale,
-                                                  q_start=seq_len - q_len)
+                                                  q_start=seq_len - q_len, window=window)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:

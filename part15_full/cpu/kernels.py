@@ -38,7 +38,7 @@ ABI: dict[str, dict[str, str]] = {
         "paged_attention_rows": "i32 (ptr q, i64 q_row_stride, ptr k_cache, ptr v_cache, ptr block_tables, "
                                 "i64 table_stride, ptr row_idx, ptr row_seq, ptr row_len, ptr tiles, ptr tiled, "
                                 "i32 num_tiles, i32 num_heads, i32 num_kv_heads, i32 head_dim, i32 block_size, "
-                                "f32 scale, ptr out, i64 out_row_stride, i32 num_threads, i32 bf16)",
+                                "f32 scale, i32 window, ptr out, i64 out_row_stride, i32 num_threads, i32 bf16)",
         "store_kv": "i32 (ptr k, i64 k_row_stride, ptr v, i64 v_row_stride, ptr k_cache, ptr v_cache, ptr slots, "
                     "i64 num_tokens, i64 row_elems, i64 num_slots, i32 bf16)",
         "attention_tile_lanes": "i32 ()",

@@ -1,8 +1,9 @@
 """SmolLM3: Llama with no position embedding on every fourth layer (NoPE: `no_rope_layers` holds 0
 there), which lets those layers attend by content alone over long contexts.
 
-In vLLM: vllm/model_executor/models/smollm3.py... is not a file: vLLM serves SmolLM3 through
-llama.py, whose attention skips the rotary embedding where `no_rope_layers` says."""
+In vLLM: no model file of its own; vllm/model_executor/models/registry.py does not list it among
+the text models, and vLLM serves it through its Transformers backend (transformers' own modeling
+code)."""
 from __future__ import annotations
 
 from ..model import LlamaForCausalLM

@@ -12,7 +12,11 @@
    Layout (as paged_attention.py): q, out [rows, H, D], each row contiguous, `*_row_stride` floats
    apart; k_cache, v_cache [num_blocks, block_size, KV, D] contiguous; block_tables [seqs, width].
    Query head h reads KV head h / (H / KV) (GQA). Query row r is row row_idx[r] of q and out,
-   belongs to sequence row_seq[r] and sees that sequence's first row_len[r] keys (causal).
+   belongs to sequence row_seq[r] and sees that sequence's first row_len[r] keys (causal); in a
+   sliding-window layer (`window` W > 0, HF's semantics: position i sees keys i - W < j <= i) only
+   keys max(0, row_len[r] - W) .. row_len[r] - 1. A row's walk starts at its first key (the row
+   kernel; its AMX scores at the 16-key run holding it) or at the start of the block holding its
+   tile's earliest (prefill_tiles.h), so a sliding layer reads at most W keys a row and a block more.
 
    Softmax is online (one pass over the keys, a block at a time): a running maximum m, a running
    sum l of exp(score - m), and an output accumulator rescaled whenever m grows. q, the pool and out
@@ -97,6 +101,7 @@ typedef struct {
     const unsigned char *tiled; /* tiled[t]: tile t goes through prefill_tiles.h */
     int64_t q_row_stride, out_row_stride, table_stride;
     int num_kv_heads, group, head_dim, block_size, bf16;
+    int window; /* the layer's sliding window in keys, 0: none (full causal attention) */
     float *widened; /* bf16: this thread's 2 x block_size x head_dim floats (a block's K and V, widened) */
     float scale;
     int64_t begin, end; /* this thread's work items: item = tile * num_kv_heads + kv_head */
@@ -177,8 +182,11 @@ static inline float max_from(const float *x, int n, float start) {
 
 #define CHUNKS (MAX_HEAD_DIM / 16)
 
+/* The first key a row of `len` keys sees: 0, or in a sliding-window layer the window's first. */
+static inline int first_key(int window, int len) { return window > 0 && len > window ? len - window : 0; }
+
 /* Where the block after this one starts (head h's first row), for the prefetch: this item's next
-   block, or after its last the first block of the thread's next item; -1 if none. */
+   block, or after its last the first block the thread's next item reads; -1 if none. */
 static inline int64_t next_block_at(const Job *job, int64_t item, int t0, int len, const int32_t *table,
                                     int64_t row_stride, const int D) {
     const int bs = job->block_size, KV = job->num_kv_heads;
@@ -186,7 +194,8 @@ static inline int64_t next_block_at(const Job *job, int64_t item, int t0, int le
     if (item + 1 >= job->end) return -1;
     const int r = job->tiles[(item + 1) / KV]; /* the next item's (first) row */
     if (job->row_len[r] <= 0) return -1;
-    const int32_t first = job->block_tables[(int64_t)job->row_seq[r] * job->table_stride];
+    const int32_t first = job->block_tables[(int64_t)job->row_seq[r] * job->table_stride +
+                                            first_key(job->window, job->row_len[r]) / bs];
     return first < 0 ? -1 : (int64_t)first * bs * row_stride + (int64_t)((item + 1) % KV) * D;
 }
 
@@ -240,14 +249,15 @@ static void amx_configure(int G) {
     _tile_loadconfig(&cfg);
 }
 
-/* s[g * bs + j] = scale * q_g . k_j for this block's n keys (k16: its first K row, head h; rows
-   row_stride elements apart). qv: the G query heads, [D / 32][16 pairs][G][2] bf16. Keys are taken
-   16 at a time; a last short run still loads 16 rows, all inside the block (its size is a multiple
-   of 16), and the scores past n are not read. */
-static inline void amx_scores(const uint16_t *k16, int64_t row_stride, int n, const uint16_t *qv, int G,
-                              const int D, float scale, float *s, int bs) {
+/* s[g * bs + j - lo] = scale * q_g . k_j for this block's keys lo <= j < end (k16: its first K row,
+   head h; rows row_stride elements apart). qv: the G query heads, [D / 32][16 pairs][G][2] bf16.
+   Keys are taken 16 at a time from a multiple of 16, so every run of 16 rows lies inside the block
+   (its size is a multiple of 16): a window's first key need not be one, and the scores outside
+   lo .. end - 1 are not kept. */
+static inline void amx_scores(const uint16_t *k16, int64_t row_stride, int lo, int end, const uint16_t *qv,
+                              int G, const int D, float scale, float *s, int bs) {
     float sc[16 * MAX_GROUP];
-    for (int j0 = 0; j0 < n; j0 += 16) {
+    for (int j0 = lo & ~15; j0 < end; j0 += 16) {
         _tile_zero(0);
         for (int c = 0; c < D / 32; c++) {
             _tile_loadd(1, k16 + j0 * row_stride + 32 * c, row_stride * 2);
@@ -255,9 +265,9 @@ static inline void amx_scores(const uint16_t *k16, int64_t row_stride, int n, co
             _tile_dpbf16ps(0, 1, 2);
         }
         _tile_stored(0, sc, G * 4);
-        const int m = n - j0 < 16 ? n - j0 : 16;
+        const int j1 = lo > j0 ? lo - j0 : 0, m = end - j0 < 16 ? end - j0 : 16;
         for (int g = 0; g < G; g++)
-            for (int j = 0; j < m; j++) s[g * bs + j0 + j] = sc[j * G + g] * scale;
+            for (int j = j1; j < m; j++) s[g * bs + j0 + j - lo] = sc[j * G + g] * scale;
     }
 }
 #endif
@@ -324,9 +334,12 @@ static inline __attribute__((always_inline)) void attend_row(const Job *job, int
         for (int i = 0; i < G * D; i++) q[i] = load_elem(job->q, q_at + i, bf16);
     for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }
     memset(acc, 0, sizeof(float) * G * D);
-    for (int t0 = 0; t0 < len; t0 += bs) {
-        const int n = len - t0 < bs ? len - t0 : bs;
-        const int64_t at = (int64_t)table[t0 / bs] * bs * row_stride + (int64_t)h * D; /* row 0, head h */
+    const int first = first_key(job->window, len); /* 0, or the window's first key */
+    for (int t0 = first / bs * bs; t0 < len; t0 += bs) {
+        /* The block's keys lo .. lo + n - 1 (lo > 0 only in a window's first block), from row `at`. */
+        const int lo = first > t0 ? first - t0 : 0, n = (len - t0 < bs ? len - t0 : bs) - lo;
+        const int64_t block = (int64_t)table[t0 / bs] * bs * row_stride + (int64_t)h * D; /* row 0, head h */
+        const int64_t at = block + lo * row_stride;
         const float *k, *v;
         int64_t stride;
         /* The next block on its way while this one is summed (see "Speed" above). */
@@ -351,7 +364,7 @@ static inline __attribute__((always_inline)) void attend_row(const Job *job, int
         }
 #if HAVE_AMX
         if (amx)
-            amx_scores((const uint16_t *)job->k_cache + at, row_stride, n, qv, G, D, job->scale, s, bs);
+            amx_scores((const uint16_t *)job->k_cache + block, row_stride, lo, lo + n, qv, G, D, job->scale, s, bs);
         else
 #endif
         for (int g = 0; g < G; g++) { /* scores: eight keys at a time, eight sums in flight */
@@ -472,14 +485,15 @@ int attention_tile_lanes(void) { return LANES; }
    caller then takes the torch path), -2 when the buffers cannot be allocated. The step's tiles
    come from the caller, worked out once for all layers (attention.py's plan): tile t is rows
    tiles[t] .. tiles[t + 1] - 1, one sequence's, through prefill_tiles.h where tiled[t] (at most
-   LANES / G rows) and else one row through the row kernel. */
+   LANES / G rows) and else one row through the row kernel. window: the layer's sliding window in
+   keys, 0 for none (see the top of this file). */
 /* q, k_cache, v_cache and out: fp32 arrays, or bf16 ones (uint16_t) where bf16 is 1. */
 int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cache,
                          const void *v_cache, const int32_t *block_tables, int64_t table_stride,
                          const int32_t *row_idx, const int32_t *row_seq, const int32_t *row_len,
                          const int32_t *tiles, const unsigned char *tiled, int num_tiles,
                          int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, float scale, void *out, int64_t out_row_stride,
+                         int block_size, float scale, int window, void *out, int64_t out_row_stride,
                          int num_threads, int bf16) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM ||
         block_size > MAX_BLOCK)
@@ -489,6 +503,7 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
         const int n = tiles[t + 1] - tiles[t];
         if (n < 1 || n > (tiled[t] ? per_tile : 1) || row_seq[tiles[t + 1] - 1] != row_seq[tiles[t]]) return -1;
     }
+    if (window < 0) window = 0;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
     Job jobs[MAX_THREADS];
@@ -497,8 +512,9 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
     if (bf16 && !widened) return -2;
 
     /* Split the items by the work they do, not by their count: rows differ in length, and a tile
-       of 5 rows costs about what 2 rows cost the row kernel (measured on a Xeon). */
-#define COST(t) ((int64_t)row_len[tiles[(t) + 1] - 1] * (tiled[t] ? 5 : 2))
+       of 5 rows costs about what 2 rows cost the row kernel (measured on a Xeon); a window cuts
+       the keys a row reads. */
+#define COST(t) ((int64_t)(row_len[tiles[(t) + 1] - 1] - first_key(window, row_len[tiles[t]])) * (tiled[t] ? 5 : 2))
     const int64_t items = (int64_t)num_tiles * num_kv_heads;
     int64_t total = 0, done = 0, item = 0;
     for (int t = 0; t < num_tiles; t++) total += COST(t);
@@ -507,7 +523,7 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
         Job *job = &jobs[t];
         *job = (Job){q, k_cache, v_cache, out, block_tables, row_idx, row_seq, row_len, tiles, tiled,
                      q_row_stride, out_row_stride, table_stride, num_kv_heads, group, head_dim, block_size,
-                     bf16 != 0, widened ? widened + t * per_thread : NULL, scale, item, item};
+                     bf16 != 0, window, widened ? widened + t * per_thread : NULL, scale, item, item};
         const int64_t target = total * (t + 1) / num_threads;
         while (item < items && (t == num_threads - 1 || done < target)) {
             done += COST(item / num_kv_heads);

@@ -20,9 +20,14 @@
 
    A lane's arithmetic does not depend on the other lanes: a key past a lane's causal length gets
    weight exactly 0 and a block past it leaves the lane's sums exactly as they were, so a prefill
-   row's output is the same bit for bit whichever tile it lands in. It is not the row kernel's
-   (other summation orders): a prompt's rows round the same whatever shares the step, unless the
-   scheduler cuts a chunk of it to 8 tokens or fewer, which then takes the row kernel. */
+   row's output is the same bit for bit whichever tile it lands in. A sliding window likewise: the
+   tile walks from the block holding its rows' earliest first key, and a key before a lane's own
+   first key gets weight exactly 0 (a score of -inf, then an exp of 0). A block wholly before it
+   leaves the lane as it started: its maximum stays at the finite -FLT_MAX it starts from (not
+   -inf: -inf - -inf would be NaN), its rescale is exp(0) = 1 exactly, and it adds nothing.
+   A row's output is not the row kernel's (other summation orders): a prompt's rows round the same
+   whatever shares the step, unless the scheduler cuts a chunk of it to 8 tokens or fewer, which
+   then takes the row kernel. */
 
 #define LANES 16 /* query vectors a tile holds */
 #define KEYS 8   /* keys whose scores are summed together, each in its own register */
@@ -103,25 +108,30 @@ static inline __attribute__((always_inline)) void attend_tile(const Job *job, in
     float qt[MAX_HEAD_DIM * LANES] __attribute__((aligned(64))); /* qt[d][lane] */
     float acc[LANES * MAX_HEAD_DIM] __attribute__((aligned(64)));
     lanes p[MAX_BLOCK];
-    int32_t lens[LANES] = {0};
+    int32_t lens[LANES] = {0}, firsts[LANES] = {0}; /* each lane's keys: firsts[i] .. lens[i] - 1 */
     int len = 0, min_len = job->row_len[r0]; /* the tile's longest and shortest rows */
+    int min_first = INT32_MAX, max_first = 0; /* the tile's earliest and latest first keys (a window's) */
 
     memset(qt, 0, sizeof(float) * D * LANES);
     for (int t = 0; t < rows; t++) {
         const int64_t q_at = (int64_t)job->row_idx[r0 + t] * job->q_row_stride + (int64_t)h * G * D;
-        const int row_len = job->row_len[r0 + t];
+        const int row_len = job->row_len[r0 + t], row_first = first_key(job->window, row_len);
         for (int g = 0; g < G; g++) {
             lens[t * G + g] = row_len;
+            firsts[t * G + g] = row_first;
             for (int d = 0; d < D; d++) qt[d * LANES + t * G + g] = load_elem(job->q, q_at + g * D + d, bf16);
         }
         len = row_len > len ? row_len : len;
         min_len = row_len < min_len ? row_len : min_len;
+        min_first = row_first < min_first ? row_first : min_first;
+        max_first = row_first > max_first ? row_first : max_first;
     }
-    ilanes lenv;
+    ilanes lenv, firstv;
     memcpy(&lenv, lens, sizeof lenv);
+    memcpy(&firstv, firsts, sizeof firstv);
     memset(acc, 0, sizeof(float) * nl * D);
     lanes m = splat(-FLT_MAX), l = {0}; /* finite: a lane that sees no key keeps exp(m - m) = 1 */
-    for (int t0 = 0; t0 < len; t0 += bs) {
+    for (int t0 = min_first / bs * bs; t0 < len; t0 += bs) {
         const int n = len - t0 < bs ? len - t0 : bs;
         const int64_t at = (int64_t)table[t0 / bs] * bs * row_stride + (int64_t)h * D; /* row 0, head h */
         const int64_t next = first ? next_block_at(job, item, t0, len, table, row_stride, D) : -1;
@@ -147,13 +157,15 @@ static inline __attribute__((always_inline)) void attend_tile(const Job *job, in
         int j = 0;
         for (; j + KEYS <= n; j += KEYS) tile_scores(KEYS, qt, k + j * stride, stride, D, p + j);
         for (; j < n; j++) tile_scores(1, qt, k + j * stride, stride, D, p + j);
-        /* Online softmax, all lanes at once. A key past a lane's length is -inf there, weight 0;
-           the selects only where the block reaches past the tile's shortest row. */
-        const int ragged = t0 + n > min_len;
+        /* Online softmax, all lanes at once. A key outside a lane's keys (past its length, or
+           before its window) is -inf there, weight 0; the selects only where the block reaches
+           past the tile's shortest row or before its latest first key. */
+        const int ragged = t0 + n > min_len || t0 < max_first;
+#define SEES(key) (((key) < lenv) & ((key) >= firstv)) /* the lanes that see key `key` */
         lanes block_max = m;
         for (j = 0; j < n; j++) {
             p[j] *= job->scale;
-            if (ragged) p[j] = select_lanes((t0 + j) < lenv, p[j], splat(-INFINITY));
+            if (ragged) p[j] = select_lanes(SEES(t0 + j), p[j], splat(-INFINITY));
             block_max = max_lanes(block_max, p[j]);
         }
         const lanes shrink = exp_lanes(m - block_max); /* what was summed so far, rescaled */
@@ -161,7 +173,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Job *job, in
         l *= shrink;
         for (j = 0; j < n; j++) {
             p[j] = exp_lanes(p[j] - m);
-            if (ragged) p[j] = select_lanes((t0 + j) < lenv, p[j], (lanes){0});
+            if (ragged) p[j] = select_lanes(SEES(t0 + j), p[j], (lanes){0});
             l += p[j];
         }
         switch (nl) {
@@ -171,6 +183,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Job *job, in
 #undef LIVE
         default: break;
         }
+#undef SEES
     }
     for (int t = 0; t < rows; t++) {
         const int64_t out_at = (int64_t)job->row_idx[r0 + t] * job->out_row_stride + (int64_t)h * G * D;
