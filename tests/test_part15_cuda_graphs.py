@@ -4,8 +4,8 @@ the rest, eager past the largest), the per-feature lowering of the mode, and the
 cuda_graph.py's EagerGraph stands in for a CUDA graph (a replay recomputes the captured call on the
 captured tensors), so padding, static buffers, the FULL metadata and the split at attention all
 run here. The engine with graphs gives the eager engine's greedy tokens (and HF's) over padded
-decode batches and mixed prefill/decode steps, and with speculative decoding (FULL graphs of whole
-1 + k token sequences); a runner that leaves one input out of its static buffers is caught; padding
+decode batches and mixed prefill/decode steps, with speculative decoding (FULL graphs of whole
+1 + k token sequences) and for Gemma 2 and 3 (sliding layers, soft-capped scores); a runner that leaves one input out of its static buffers is caught; padding
 writes no KV; nothing is captured after start-up.
 
 The engine checks use the Triton attention backend (the one a FULL graph can hold), which on a CPU
@@ -201,6 +201,14 @@ def test_speculative_verification_replays_graphs_of_whole_sequences(engine_resul
     assert r["replays"]["FULL"] >= 3 and r["replays"]["PIECEWISE"] >= 1, r["replays"]
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_families_with_windows_and_caps_replay_graphs(engine_results, name):
+    r = engine_results["families"][name]
+    assert r["windows"] == [8, None, 8] and (r["softcap"] == 1.5) == (name == "gemma2")
+    assert r["eager"] == r["hf"] and r["graphed"] == r["eager"]
+    assert r["replays"]["FULL"] >= 3 and r["replays"]["PIECEWISE"] >= 1, r["replays"]
+
+
 def test_nothing_is_captured_after_start_up(engine_results):
     r = engine_results["graphs"]
     assert r["graphs_after_run"] == r["graphs_at_start"] > 0
@@ -316,7 +324,52 @@ def _run_engine_checks(tmp: Path) -> dict:
         step.positions = positions
     runner.input_batch.to_device = without_positions
     result["stale_positions"] = run(stale)
+    result["families"] = _family_graphs(tmp, prompts[1], prompts[0])
     return result
+
+
+def _family_graphs(tmp: Path, *prompts: list[int]) -> dict:
+    """Gemma 2 (soft-capped scores in the Triton kernel, every other layer sliding) and Gemma 3 (q/k
+    norms, two RoPE tables, five-to-one sliding layers), eager and through FULL and PIECEWISE graphs."""
+    import torch
+
+    from conftest import greedy
+    from model_families import hf_model, save_family
+    from part15_full import LLM
+    from part15_full.cuda_graph import EagerGraph
+    from part15_full.graph_runner import CUDAGraphRunner, GraphRunner
+    from part15_full.input_batch import InputBatch
+
+    out = {}
+    for name in ("gemma2", "gemma3"):
+        # Dynamo keeps its traces per code object (LlamaForCausalLM.forward, every model of this
+        # process): forget the earlier engines' before they reach its recompile limit.
+        torch._dynamo.reset()
+        path = save_family(tmp / name, name, seed=5)
+        llm = LLM(model=str(path), device="cpu", dtype="float32", use_triton=True, kv_cache_memory_mb=4,
+                  max_num_seqs=4, max_num_batched_tokens=16)
+        r = llm.engine.executor.runner
+
+        def run(graph_runner):
+            r.graph_runner = graph_runner
+            return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6))]
+        eager = run(GraphRunner(r.model, r.attn))
+        sizes = [1, 2, 4, 8, 16]
+        r.input_batch = InputBatch(r.max_step_tokens, 4, r.max_model_len // r.block_size, r.block_size, r.device,
+                                   r.model_config.vocab_size, (max(sizes), 4))
+        gr = CUDAGraphRunner(r.model, r.attn, M.FULL_AND_PIECEWISE, sizes, max_num_seqs=4,
+                             buffers=r.input_batch.device_arrays, max_model_len=r.max_model_len, graph_cls=EagerGraph)
+        gr.capture()
+        hf = hf_model(path)
+        ref = []
+        for ids in prompts:
+            with torch.no_grad():
+                ref.append(hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(ids):].tolist())
+        out[name] = {"hf": ref, "eager": eager, "graphed": run(gr), "windows": list(r.attn.windows),
+                     "softcap": r.attn.logit_softcap, "replays": {m.name: k for m, k in gr.replays.items()}}
+        llm.shutdown()
+    return out
 
 
 def _graph_count(gr) -> int:

@@ -2,7 +2,8 @@
 over prompts five windows long, with chunked prefill (16-token steps), a prefix-cache hit and
 speculative decoding; tensor parallelism over 2 processes for a dense family with windows and
 soft-caps (Gemma 2) and an MoE family (Qwen3-MoE); int8 weights for Phi-3, whose fused projections
-are split before they are quantized."""
+are split before they are quantized; prompt logprobs (the logits) within 1e-4 of HF's through the
+paged backends. CUDA graphs of Gemma 2 and 3: tests/test_part15_cuda_graphs.py."""
 from __future__ import annotations
 
 import json
@@ -63,6 +64,22 @@ def test_greedy_equals_hf_with_chunked_prefill_and_a_prefix_hit(folders, name):
     assert run(m, again) == hf_greedy(path, again)
     assert stats.hits - hits == 32
     assert pool_is_full(m)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "qwen2-window"])
+def test_prompt_logprobs_through_the_paged_backend_equal_hfs(folders, name):
+    """Logits to 1e-4 through part 15's own path: the prompt scored in 16-token chunks, each chunk
+    attending over the paged cache with its layers' windows (the CPU kernel; Gemma 2: the reference)."""
+    from part15_full.sampling_params import SamplingParams
+
+    path, ids = folders[name], PROMPTS[0]
+    m = llm(path, enable_prefix_caching=False)
+    out = m.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    got = torch.tensor([entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:])])
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    expected = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name,method", [("gemma3", "ngram"), ("mistral-window", "ngram"), ("gemma2", "draft_model")])
