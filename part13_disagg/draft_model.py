@@ -48,6 +48,7 @@ class LayerTruncatedDraft(nn.Module):
         self.config = dataclasses.replace(target.config, num_hidden_layers=num_layers)
         self.embed_tokens, self.norm, self.lm_head = target.embed_tokens, target.norm, target.lm_head
         self.layers = target.layers[:num_layers]
+        self.start_layer, self.end_layer = 0, num_layers
         # The target family's own embedding and logits (Gemma scales the one and caps the other).
         self.embed_input_ids, self.compute_logits = target.embed_input_ids, target.compute_logits
 

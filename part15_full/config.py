@@ -155,12 +155,15 @@ class EngineConfig:
                 "always off with speculative decoding)"})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "shard the model over this many worker processes (GPUs), Megatron-style"})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "split the model's layers into this many stages, each of --tensor-parallel-size processes, "
+                "with as many steps in flight (pipeline.py)"})
     enable_expert_parallel: bool = field(default=False, metadata={
         "help": "MoE models: put whole experts on the tensor-parallel ranks (expert parallelism: "
                 "all-to-all dispatch and combine) instead of splitting every expert"})
     distributed_executor_backend: str | None = field(default=None, metadata={
         "help": "uni: the model in the engine's process; mp: one worker process per rank "
-                "(default: mp when tensor_parallel_size > 1)"})
+                "(default: mp when tensor_parallel_size or pipeline_parallel_size > 1)"})
     nnodes: int | None = field(default=None, metadata={
         "help": "machines the tensor-parallel group spans (default: $NNODES, else 1)"})
     node_rank: int | None = field(default=None, metadata={
@@ -261,6 +264,11 @@ class EngineConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def world_size(self) -> int:
+        """The model's processes: TP ranks in each of PP stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def validate(self, headless: bool = False) -> None:
         """Raise ValueError listing every invalid setting or combination, each with its flags."""
         problems = list(_problems(self, headless))
@@ -303,7 +311,7 @@ class EngineConfig:
         elif self.kv_transfer_config:
             kv = KVTransferConfig.from_cli(self.kv_transfer_config)
             kv_transfer = f"{kv.kv_connector} ({kv.kv_role})"
-        backend = self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
+        backend = self.distributed_executor_backend or ("mp" if self.world_size > 1 else "uni")
         engines = (f"{self.data_parallel_size} engine-core processes, routing {self.routing_policy}"
                    if self.data_parallel_size > 1 else "1 engine core, " +
                    ("in a process of its own" if self.multiprocess_engine_core else "in the server's process"))
@@ -321,7 +329,7 @@ class EngineConfig:
                            f"async scheduling {on[self.async_scheduling and not self.speculative_method]}, "
                            f"preemption {self.preemption_mode}, policy {self.scheduling_policy}"),
             ("speculative", spec),
-            ("parallelism", f"TP {self.tensor_parallel_size} ({backend}), expert parallel "
+            ("parallelism", f"TP {self.tensor_parallel_size} x PP {self.pipeline_parallel_size} ({backend}), expert parallel "
                             f"{on[self.enable_expert_parallel]}; DP {self.data_parallel_size}: {engines}"),
             ("KV transfer", kv_transfer),
             ("structured out", self.structured_outputs_backend),
@@ -519,6 +527,7 @@ def _problems(c: EngineConfig, headless: bool):
                                ("--max-num-batched-tokens", c.max_num_batched_tokens, 1),
                                ("--long-prefill-token-threshold", c.long_prefill_token_threshold, 0),
                                ("--tensor-parallel-size", c.tensor_parallel_size, 1),
+                               ("--pipeline-parallel-size", c.pipeline_parallel_size, 1),
                                ("--data-parallel-size", c.data_parallel_size, 1), ("--nnodes", c.nnodes, 1)):
         if value is not None and value < least:
             yield f"{flag} must be at least {least}, got {value}"
@@ -585,9 +594,17 @@ def _problems(c: EngineConfig, headless: bool):
         yield ("--preemption-mode swap does not swap a draft model's KV cache: use --preemption-mode recompute "
                "with --speculative-method draft_model")
     # Parallelism (parts 09-11)
-    backend = c.distributed_executor_backend or ("mp" if c.tensor_parallel_size > 1 else "uni")
-    if backend == "uni" and c.tensor_parallel_size > 1:
-        yield "--tensor-parallel-size > 1 needs --distributed-executor-backend mp (one process per rank)"
+    backend = c.distributed_executor_backend or ("mp" if c.world_size > 1 else "uni")
+    if backend == "uni" and c.world_size > 1:
+        yield ("--tensor-parallel-size or --pipeline-parallel-size > 1 needs --distributed-executor-backend mp "
+               "(one process per rank)")
+    if c.pipeline_parallel_size > 1:  # pipeline.py: what a stage's forward does not carry
+        if c.speculative_method == "draft_model":
+            yield ("--pipeline-parallel-size > 1 with --speculative-method draft_model: the draft model would run "
+                   "on the last stage alone; use ngram drafts or one stage")
+        if kv is not None or c.kv_offloading_size:
+            yield ("--pipeline-parallel-size > 1 with a KV connector (--kv-transfer-config, --kv-offloading-size): "
+                   "the connectors move one stage's layers; use one stage")
     if c.enable_expert_parallel and c.tensor_parallel_size < 2:
         yield ("--enable-expert-parallel puts experts on the tensor-parallel ranks: it needs "
                "--tensor-parallel-size of 2 or more")
@@ -595,8 +612,9 @@ def _problems(c: EngineConfig, headless: bool):
         yield (f"--data-parallel-size {c.data_parallel_size} with --nnodes {c.nnodes}: an engine's tensor-parallel "
                f"ranks across nodes cannot be combined with data parallelism here; spread the engines over nodes "
                f"instead (--data-parallel-size-local, --data-parallel-address), each engine's ranks on one node")
-    if c.nnodes and c.nnodes > 1 and c.tensor_parallel_size % c.nnodes:
-        yield f"--tensor-parallel-size ({c.tensor_parallel_size}) must divide evenly over --nnodes ({c.nnodes})"
+    if c.nnodes and c.nnodes > 1 and c.world_size % c.nnodes:
+        yield (f"--tensor-parallel-size x --pipeline-parallel-size ({c.world_size}) must divide evenly over "
+               f"--nnodes ({c.nnodes})")
     if c.nnodes and c.node_rank is not None and not 0 <= c.node_rank < c.nnodes:
         yield f"--node-rank must be in [0, --nnodes={c.nnodes}), got {c.node_rank}"
     local = c.data_parallel_size_local  # unset: all of them, or one on a --headless host

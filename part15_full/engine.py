@@ -101,13 +101,17 @@ class LLMEngine:
             worker_info=ex.kv_connector_info)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, max_tokens, config.continuous_batching, self.max_model_len, chunked,
-            config.long_prefill_token_threshold, config.preemption_mode, config.scheduling_policy),
+            config.long_prefill_token_threshold, config.preemption_mode, config.scheduling_policy,
+            config.pipeline_parallel_size),
             self.kv_cache_manager, self.connector,
             kv_transfer.kv_load_failure_policy if kv_transfer else "fail")
         # Steps launched and not yet processed: (what was scheduled, the Future of its tokens, whether
         # a grammar constrains one of its sequences).
         self.batch_queue: deque[tuple[SchedulerOutput, object, bool]] = deque()
-        self.max_steps_in_flight = 2 if config.async_scheduling and not config.speculative_method else 1
+        # Async scheduling: step N + 1 launched before step N's tokens are read. Pipeline parallelism
+        # (pipeline.py): PP steps, each with sequences the others do not hold, one on each stage.
+        self.max_steps_in_flight = config.pipeline_parallel_size if config.pipeline_parallel_size > 1 else \
+            2 if config.async_scheduling and not config.speculative_method else 1
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,

@@ -79,7 +79,7 @@ def engine_core_main(config: EngineConfig, rank: int, input_addr: str, output_ad
         if device is not None and device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         # With tensor parallelism this process only schedules: the workers get the cores.
-        torch.set_num_threads(1 if config.tensor_parallel_size > 1 else config.num_threads or torch.get_num_threads())
+        torch.set_num_threads(1 if config.world_size > 1 else config.num_threads or torch.get_num_threads())
         engine = LLMEngine(config)
         threading.Thread(target=_heartbeat, args=(ctx, output_addr, rank), name="heartbeat", daemon=True).start()
         out.send_multipart([Event.READY.value, encode(Ready(rank, engine.executor.model_config,

@@ -37,6 +37,11 @@ environment_variables: dict[str, EnvVar] = {
         "1", "glibc keeps freed activations in the heap (mmap and trim thresholds raised)"),
     "VLLM_COURSE_CPU_WIDE_VECTORS": EnvVar(
         "1", "the C kernels compiled to prefer 512-bit vectors where the CPU has AVX-512"),
+    "VLLM_PP_LAYER_PARTITION": EnvVar(
+        "", "pipeline stages' layer counts, comma-separated (4,6,6,4); empty: an even split (pipeline.py)", str),
+    "VLLM_COURSE_STEP_TIMELINE": EnvVar(
+        "", "a folder: each worker writes rank<N>.json there at exit, the (start, end) of every step it ran "
+            "(notebook 15's pipeline timeline)", str),
     "VLLM_COURSE_GRAPH_STAND_IN": EnvVar(
         "0", "tests without a GPU: --compilation-config's CUDA graphs on a CPU, each replay recomputing its "
              "captured call (cuda_graph.EagerGraph)"),

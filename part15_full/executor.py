@@ -84,10 +84,10 @@ class Executor:
 
 def make_executor(config: EngineConfig):
     """The uniprocess executor, or one worker process per tensor-parallel rank."""
-    backend = config.distributed_executor_backend or ("mp" if config.tensor_parallel_size > 1 else "uni")
+    backend = config.distributed_executor_backend or ("mp" if config.world_size > 1 else "uni")
     if backend == "uni":
-        if config.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 needs distributed_executor_backend mp")
+        if config.world_size > 1:
+            raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 needs distributed_executor_backend mp")
         return Executor(ModelRunner(config))
     if backend != "mp":
         raise ValueError(f"distributed_executor_backend must be uni or mp, got {backend!r}")
@@ -96,13 +96,15 @@ def make_executor(config: EngineConfig):
     from .moe_config import load_configs
     from .multiproc_executor import MultiprocExecutor
     from .parallel_layers import check_divisible
+    from .pipeline import get_pp_indices
 
     cfg, moe = load_configs(resolve_model_path(config.model))
     check_divisible(cfg, config.tensor_parallel_size)
+    get_pp_indices(cfg.num_hidden_layers, 0, config.pipeline_parallel_size)  # or a ValueError: too few layers
     if moe is not None:
         moe.check_divisible(config.tensor_parallel_size, config.enable_expert_parallel)
     parallel = ParallelConfig.resolve(config.tensor_parallel_size, config.nnodes, config.node_rank,
-                                      config.master_addr, config.master_port)
+                                      config.master_addr, config.master_port, config.pipeline_parallel_size)
     if parallel.node_rank != 0:
         raise ValueError(f"node {parallel.node_rank} runs workers only: start it with --headless")
     return MultiprocExecutor(config, parallel)

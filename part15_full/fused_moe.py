@@ -42,6 +42,8 @@ from torch import nn
 from shared.layers import (QuantizationConfig, QuantizeMethodBase, default_weight_loader,
                            set_weight_attrs)
 
+from .parallel_state import get_tp_group
+
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k]): softmax over the experts in fp32, then the top k
@@ -160,7 +162,7 @@ class FusedMoE(nn.Module):
             return self._expert_parallel(x, weights, ids)
         out = self._local(x, ids, weights)
         if self.size > 1:  # partial sums over each rank's slice of every expert
-            dist.all_reduce(out)
+            dist.all_reduce(out, group=get_tp_group())
         return out
 
     def _local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -181,22 +183,22 @@ class FusedMoE(nn.Module):
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=size)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=get_tp_group())
         send, recv = send_counts.tolist(), recv_counts.tolist()
         rows = torch.div(order, self.top_k, rounding_mode="floor") + lo
         # Dispatch: each pair's activation and its expert id travel to the expert's rank.
         x_in = x.new_empty(sum(recv), x.shape[1])
-        dist.all_to_all_single(x_in, x[rows].contiguous(), recv, send)
+        dist.all_to_all_single(x_in, x[rows].contiguous(), recv, send, group=get_tp_group())
         e_in = pair_ids.new_empty(sum(recv))
-        dist.all_to_all_single(e_in, pair_ids[order].contiguous(), recv, send)
+        dist.all_to_all_single(e_in, pair_ids[order].contiguous(), recv, send, group=get_tp_group())
         y = self._local(x_in, e_in - self.first_expert, None)
         # Combine: the results go back where they came from, in the order they were sent.
         y_back = y.new_empty(sum(send), y.shape[1])
-        dist.all_to_all_single(y_back, y.contiguous(), send, recv)
+        dist.all_to_all_single(y_back, y.contiguous(), send, recv, group=get_tp_group())
         self.all_to_all_bytes += (sum(send) * x.shape[1] + sum(recv) * y.shape[1]) * x.element_size()
         out = torch.zeros(per_rank, x.shape[1], dtype=torch.float32, device=x.device)
         w = weights[lo:hi].flatten()[order]
         out.index_add_(0, rows - lo, y_back.float() * w[:, None])
         gathered = [torch.empty_like(out) for _ in range(size)]
-        dist.all_gather(gathered, out)
+        dist.all_gather(gathered, out, group=get_tp_group())
         return torch.cat(gathered)[:t].to(x.dtype)

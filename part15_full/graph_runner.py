@@ -172,13 +172,16 @@ class CUDAGraphRunner(GraphRunner):
 
 
 def graph_mode_for(mode: CUDAGraphMode, attention: AttentionCGSupport, *, piecewise_ok: bool = True,
-                   moe_on_host: bool = False, tensor_parallel: bool = False, kv_connector: bool = False
-                   ) -> tuple[CUDAGraphMode, list[str]]:
+                   moe_on_host: bool = False, tensor_parallel: bool = False, kv_connector: bool = False,
+                   pipeline: bool = False) -> tuple[CUDAGraphMode, list[str]]:
     """The mode this model and backend can replay, and the reasons it differs from the one asked for
     (vLLM lowers its modes the same way, by the backends' AttentionCGSupport). `piecewise_ok`: the
     forward is not torch.compiled whole, so it can be traced and split at attention."""
     if mode == CUDAGraphMode.NONE:
         return mode, []
+    if pipeline:
+        return CUDAGraphMode.NONE, ["a pipeline stage receives and sends its activations between steps' kernels "
+                                    "(every stage runs eagerly here)"]
     if moe_on_host:
         return CUDAGraphMode.NONE, ["an MoE layer routes on the host (expert parallelism's all-to-all sizes, "
                                     "or the torch reference's experts)"]

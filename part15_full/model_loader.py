@@ -77,6 +77,8 @@ def load_moe_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch
             m = expert.search(name)
             if m:
                 layer, e, which = int(m[1]), int(m[2]), fmt.projections[m[3]]
+                if not model.start_layer <= layer < model.end_layer:
+                    continue  # another pipeline stage's (part 15)
                 key = f"layers.{layer}.mlp.experts.{'w2' if which == 'w2' else 'w13'}_weight"
                 param = params[key]
                 param.weight_loader(param, tensor, (e, which))

@@ -53,6 +53,7 @@ from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_c
 from .moe_config import load_configs
 from .attention_metadata import NULL_BLOCK_ID, PAD_SLOT_ID, PagedAttentionMetadata
 from .paged_attention import TritonAttention, attention_options, get_attention_backend
+from .pipeline import PipelineStage, get_pp_indices
 from .rejection_sampler import RejectionOutput, RejectionSampler, SpecDecodeMetadata
 from .structured_output.bitmask import unpack_bitmask
 from .structured_output.manager import GrammarOutput
@@ -161,8 +162,10 @@ def set_random_seed(seed: int) -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, layers: LayerFactory | None = None, device: str | None = None):
+    def __init__(self, config: EngineConfig, layers: LayerFactory | None = None, device: str | None = None,
+                 pipeline: PipelineStage | None = None):
         self.config = config
+        self.pipeline = pipeline  # this rank's pipeline stage (pipeline.py), None: the whole model
         self.device = resolve_device(device or config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_path = resolve_model_path(config.model)
@@ -178,6 +181,8 @@ class ModelRunner:
                                  config.quantize_lm_head)
         layers = layers or LayerFactory()
         layers.quant_config = quant
+        if pipeline is not None:  # a stage builds, loads and caches its own layers only
+            layers.layer_range = get_pp_indices(cfg.num_hidden_layers, pipeline.pp_rank, pipeline.pp_size)
         if self.device.type == "cpu":  # the CPU appendix (cpu/README.md): its layers and kernels, chosen once
             from .cpu.layers import CpuLayers, load_ops
             from .cpu.malloc import tune_malloc
@@ -189,7 +194,8 @@ class ModelRunner:
         self.model_config = c = self.model.config
         self.block_size = config.block_size
         # The heads this process holds: all of them, or its rank's share (the budget is per rank).
-        attn = self.model.layers[0].self_attn
+        attn = self.model.layers[self.model.start_layer].self_attn
+        stage_layers = self.model.end_layer - self.model.start_layer
         # The largest step: the token budget, or without chunked prefill a whole prompt.
         self.max_step_tokens = config.max_num_batched_tokens or self.max_model_len
         # Part 15: torch.compile's mode, and the CUDA-graph mode and sizes asked for (config.py's
@@ -197,10 +203,15 @@ class ModelRunner:
         graph_config = CompilationConfig.from_cli(config.compilation_config)
         self.compilation_mode = resolve_compilation_mode(config.compilation_mode, config.enforce_eager, self.device,
                                                          split_for_graphs=graph_config.splits_forward())
+        if pipeline is not None:  # a stage runs its layers eagerly: no torch.compile, no CUDA graphs
+            self.compilation_mode = "none"
         self.uniform_decode_query_len = 1 + (config.num_speculative_tokens if config.speculative_method else 0)
         asked_mode, self.cudagraph_sizes = graph_config.resolve(
             self.device.type == "cuda" or envs.VLLM_COURSE_GRAPH_STAND_IN, config.enforce_eager,
             self.compilation_mode != "none", config.max_num_seqs, self.max_step_tokens, self.uniform_decode_query_len)
+        if config.kv_cache_memory_mb is None and self.device.type == "cuda" and pipeline is not None:
+            raise ValueError("pipeline parallelism on a GPU needs --kv-cache-memory-mb (the memory profile "
+                             "runs the whole model in one process)")
         if config.kv_cache_memory_mb is None and self.device.type == "cuda":  # what the GPU has left (memory_profiling.py)
             budget = profile_kv_budget(self.model, self.device, self.max_step_tokens, config.max_num_seqs,
                                        self.max_model_len, config.gpu_memory_utilization,
@@ -209,14 +220,14 @@ class ModelRunner:
                 budget = min_over_ranks(budget, self.device)
         else:
             budget = (config.kv_cache_memory_mb or DEFAULT_KV_CACHE_MEMORY_MB) * 2**20
-        self.num_blocks = num_blocks_for_budget(budget, c.num_hidden_layers,
+        self.num_blocks = num_blocks_for_budget(budget, stage_layers,
                                                 attn.num_kv_heads, c.head_dim, self.block_size, self.dtype)
         if self.num_blocks < 2:
             raise ValueError(f"a KV budget of {budget / 2**20:.0f} MiB holds fewer than 2 blocks")
         # Part 15: the attention backend for this device and model, chosen once (paged_attention.py).
-        self.attn = get_attention_backend(c.num_hidden_layers, self.num_blocks, self.block_size, attn.num_heads,
+        self.attn = get_attention_backend(stage_layers, self.num_blocks, self.block_size, attn.num_heads,
                                           attn.num_kv_heads, c.head_dim, self.dtype, self.device, config.use_triton,
-                                          **attention_options(c))
+                                          **attention_options(c, (self.model.start_layer, self.model.end_layer)))
         # Part 15: torch.compile of the model, attention one opaque op in its graph (compilation.py).
         compile_model(self.model, self.attn, self.compilation_mode)
         self.kv_transfer_config = resolve_kv_transfer_config(config)
@@ -256,7 +267,8 @@ class ModelRunner:
                           uniform_decode_query_len=self.uniform_decode_query_len)
         for reason in reasons:
             logger.info("CUDA graphs: %s, so %s", reason, self.cudagraph_mode.name)
-        self.graph_runner = make_graph_runner(self.model, self.attn, self.device, graphs)
+        # A pipeline stage runs its layers through _stage_forward, not a graph runner.
+        self.graph_runner = make_graph_runner(self.model, self.attn, self.device, graphs) if pipeline is None else None
         if config.seed is not None and (layers is None or layers.tp_size == 1):
             # --seed: unseeded rows sample from this state; seeded after start-up's passes, so the same
             # requests give the same tokens on every start (worker.py seeds tensor-parallel ranks).
@@ -270,7 +282,7 @@ class ModelRunner:
         1 is one of its own) and Triton builds a kernel variant per set of constants and argument
         alignments: here they are built at start-up, not in the middle of a run. A CPU with nothing to
         compile skips it."""
-        if self.compilation_mode == "none" and not isinstance(self.attn, TritonAttention):
+        if (self.compilation_mode == "none" and not isinstance(self.attn, TritonAttention)) or self.pipeline:
             return
         start = time.perf_counter()
         connector, self.attn.kv_connector = self.attn.kv_connector, None  # a dummy step loads and saves nothing
@@ -296,7 +308,7 @@ class ModelRunner:
                               moe_on_host=any(isinstance(m, FusedMoE) and (m.expert_parallel or not m.use_triton)
                                               for m in self.model.modules()),
                               tensor_parallel=layers is not None and layers.tp_size > 1,
-                              kv_connector=self.kv_connector is not None)
+                              kv_connector=self.kv_connector is not None, pipeline=self.pipeline is not None)
 
     def prepare_inputs(self, batch: list[SequenceBatchEntry], kv_connector_metadata: Any = None,
                        grammar_output: GrammarOutput | None = None, freed_seq_ids: Sequence[str] = ()) -> ModelInput:
@@ -393,7 +405,12 @@ class ModelRunner:
         if inp.placeholder_slots is not None:
             input_ids[inp.placeholder_slots] = self.prev_sampled_token_ids[inp.placeholder_prev_rows]
         draft_probs = self._propose_on_device(inp) if inp.spec and inp.spec.draft_passes else None
-        hidden = self.graph_runner(input_ids, inp.positions, inp.metadata)
+        if self.pipeline is None:
+            hidden = self.graph_runner(input_ids, inp.positions, inp.metadata)
+        else:  # the step's time on this stage counts from the previous stage's activations' arrival
+            hidden, start = self._stage_forward(input_ids, inp)
+            if hidden is None:  # a stage before the last: its activations are sent on
+                return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device)), None
         prompt = prompt_logprobs.compute(self.model, hidden, inp.prompt_logprobs) if inp.prompt_logprobs else None
         if inp.spec is not None and inp.rows:  # verify: 1..k+1 tokens per sequence
             spec = inp.spec
@@ -411,6 +428,23 @@ class ModelRunner:
         if self.timeline is not None:
             self.timeline.append((start, time.perf_counter()))
         return sampled, prompt
+
+    def _stage_forward(self, input_ids: torch.Tensor, inp: ModelInput) -> tuple[torch.Tensor | None, float]:
+        """This stage's layers on the previous stage's activations (pipeline.py): the last stage's
+        hidden states, or None once an earlier stage has sent its own on; and when the activations
+        arrived (the timeline counts a stage's work, not its wait)."""
+        pipe = self.pipeline
+        intermediate = None if pipe.is_first else \
+            pipe.recv(input_ids.shape[0], self.model_config.hidden_size, self.dtype, self.device)
+        start = time.perf_counter()
+        with set_forward_context(self.attn, inp.metadata):
+            out = self.model(input_ids, inp.positions, intermediate)
+        if pipe.is_last:
+            return out, start
+        if self.timeline is not None:
+            self.timeline.append((start, time.perf_counter()))
+        pipe.send(out)
+        return None, start
 
     @staticmethod
     def _constrained(logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:

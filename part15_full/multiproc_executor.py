@@ -98,7 +98,7 @@ class MultiprocExecutor:
         self.results.bind(f"tcp://{parallel.master_addr}:{parallel.result_port}")
         self.procs = start_workers(config, parallel)
         try:
-            info = self._wait_ready(parallel.tensor_parallel_size, config.engine_ready_timeout_s)
+            info = self._wait_ready(parallel.world_size, config.engine_ready_timeout_s)
         except BaseException:
             self._end_workers(graceful=False)
             raise
@@ -115,7 +115,7 @@ class MultiprocExecutor:
         poller.register(self.steps, zmq.POLLIN)
         while subscribed < size:
             if not poller.poll(max(0, deadline - time.monotonic()) * 1000):
-                raise TimeoutError(f"only {subscribed} of {size} tensor-parallel ranks connected within {timeout} s")
+                raise TimeoutError(f"only {subscribed} of {size} ranks connected within {timeout} s")
             subscribed += self.steps.recv()[:1] == b"\x01"
         kind, info = self._receive(max(0.0, deadline - time.monotonic()), "start")
         return info
@@ -164,7 +164,7 @@ class MultiprocExecutor:
         if not events:
             if not fail_on_timeout:
                 return None, None
-            self._fail(f"the tensor-parallel workers did not answer within {timeout:.0f} s "
+            self._fail(f"the workers did not answer within {timeout:.0f} s "
                        f"(execute_model_timeout_s / engine_ready_timeout_s); the engine cannot continue")
         detail = ""
         if self.results in events:
@@ -176,7 +176,7 @@ class MultiprocExecutor:
         for p in self.procs.values():
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         dead = [f"rank {r} (exit code {p.exitcode})" for r, p in self.procs.items() if not p.is_alive()]
-        self._fail(f"tensor-parallel worker died during {what}: {', '.join(dead) or 'a rank reported an error'}; "
+        self._fail(f"worker died during {what}: {', '.join(dead) or 'a rank reported an error'}; "
                    f"the engine cannot continue{detail}")
 
     def _fail(self, message: str) -> None:

@@ -215,10 +215,12 @@ class TritonAttention(PagedAttention):
                                               window=self.windows[layer_idx], softcap=self.logit_softcap)
 
 
-def attention_options(cfg: ModelConfig) -> dict:
+def attention_options(cfg: ModelConfig, layer_range: tuple[int, int] | None = None) -> dict:
     """What a backend takes from the model's config beyond its shapes: the score scale, each layer's
-    sliding window (None: full causal attention) and the scores' soft-cap (Gemma 2)."""
-    return dict(scale=cfg.attention_scale, sliding_windows=cfg.layer_windows, logit_softcap=cfg.attn_logit_softcap)
+    sliding window (None: full causal attention; a pipeline stage's layers only) and the scores'
+    soft-cap (Gemma 2)."""
+    windows = cfg.layer_windows[slice(*layer_range) if layer_range else slice(None)]
+    return dict(scale=cfg.attention_scale, sliding_windows=windows, logit_softcap=cfg.attn_logit_softcap)
 
 
 # The CPU's backend, by its qualified name: the stage imports the CPU appendix only on a CPU, and only

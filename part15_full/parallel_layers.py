@@ -32,6 +32,8 @@ from shared.layers import (LMHead, Linear, MergedLinear, QKVLinear, Quantization
                            default_weight_loader, packed_factor)
 from shared.model import LayerFactory
 
+from .parallel_state import get_tp_group
+
 
 def shard(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
     """(first index, count) of rank's equal share of n."""
@@ -125,7 +127,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=get_tp_group())
         return out if self.bias is None else out + self.bias
 
 
@@ -151,7 +153,7 @@ class VocabParallelEmbedding(VocabEmbedding):
         local = ids - self.start
         mine = (local >= 0) & (local < self.part)
         out = F.embedding(local.clamp(0, self.part - 1), self.weight) * mine[:, None].to(self.weight.dtype)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=get_tp_group())
         return out
 
 
@@ -171,7 +173,7 @@ class ParallelLMHead(LMHead):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self.quant_method.apply(self, x)
         parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local.contiguous())
+        dist.all_gather(parts, local.contiguous(), group=get_tp_group())
         return torch.cat(parts, dim=-1)[..., :self.vocab]
 
 

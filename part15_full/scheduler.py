@@ -65,6 +65,13 @@ class SchedulerConfig:
     # "fcfs", or "priority": waiting by (priority, arrival), the running sequences in that order too,
     # so the victim (the last one not yet scheduled) is the least urgent. vLLM: SchedulingPolicy.
     policy: str = "fcfs"
+    # Part 15's pipeline (pipeline.py): PP steps in flight, each with sequences the others do not hold
+    # (a sequence's next input is the token its step in flight samples) and at most max_num_seqs / PP.
+    pipeline_parallel_size: int = 1
+
+    @property
+    def max_seqs_per_step(self) -> int:
+        return -(-self.max_num_seqs // self.pipeline_parallel_size)
 
 
 @dataclass
@@ -177,9 +184,12 @@ class Scheduler:
             (prefills if self.is_prefilling(s) else decodes).append(s)
         taken: set[str] = set()  # scheduled in this step: never a preemption victim
         gone: set[str] = set()  # preempted earlier in this loop
+        pipelined = self.config.pipeline_parallel_size > 1
         for seq in decodes + prefills:
-            if seq.seq_id in gone or self._reaches_its_end(seq):
-                continue  # preempted already, or done once its last token lands
+            if seq.seq_id in gone or self._reaches_its_end(seq) or (pipelined and seq.num_output_placeholders):
+                continue  # preempted already, done once its last token lands, or (pipelined) in flight
+            if len(out.scheduled) >= self.config.max_seqs_per_step:
+                break
             num_new = self._chunk(seq, budget)
             if num_new == 0:
                 if budget == 0:
@@ -212,7 +222,8 @@ class Scheduler:
         # keeps its place, and the next one is considered.
         admit = not out.preempted and (self.config.continuous_batching or not self.running)
         deferred: list[Sequence] = []
-        while admit and self.waiting and self._seats_taken() < self.config.max_num_seqs and budget > 0:
+        while admit and self.waiting and self._seats_taken() < self.config.max_num_seqs and budget > 0 \
+                and len(out.scheduled) < self.config.max_seqs_per_step:
             seq = self.waiting[0]
             if seq.num_output_placeholders:
                 break

@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(run_headless_engines(config))
     if args.headless:
         raise SystemExit(run_headless(config, ParallelConfig.resolve(
-            config.tensor_parallel_size, config.nnodes, config.node_rank, config.master_addr, config.master_port)))
+            config.tensor_parallel_size, config.nnodes, config.node_rank, config.master_addr, config.master_port,
+            config.pipeline_parallel_size)))
     client = make_engine_client(config)
     print(config.summary(client.max_model_len, client.processor.num_blocks), flush=True)
     print(envs.summary(), flush=True)  # every VLLM_COURSE_* switch in effect (envs.py)

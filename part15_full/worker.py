@@ -1,4 +1,5 @@
-"""A worker process: one tensor-parallel rank, with its shard of the model and of the KV cache.
+"""A worker process: one tensor-parallel rank of one pipeline stage, with its shard of the stage's
+layers and of their KV cache.
 
 Every rank hears each step from the engine directly: the driver publishes the step's plain
 scheduling data once on a ZeroMQ PUB socket and every rank, on this node or another, has it at
@@ -8,8 +9,10 @@ all-reduces meet in the middle) and samples the same tokens from the same all-ga
 every rank also keeps the same placeholder tokens for the next step (part 05) without asking
 anyone. For that, their random streams must agree too: unseeded rows draw from each process's
 global generator, seeded from one value rank 0 broadcasts; a seeded sequence gets its own
-generator, made here from the seed on first sight and dropped when it finishes. Rank 0 sends the
-sampled tokens back; any rank that fails sends its traceback.
+generator, made here from the seed on first sight and dropped when it finishes. The last stage's
+first rank sends the sampled tokens back (rank 0 with one stage); any rank that fails sends its
+traceback. With pipeline stages (pipeline.py) each stage's ranks run its layers on the activations
+the previous stage sends; only the last stage samples.
 
 Async scheduling survives the process hop: a receiver thread takes step N+1 off the socket and
 prepares its inputs while the main thread runs step N, and a sender thread copies step N's tokens
@@ -21,6 +24,7 @@ In vLLM: vllm/v1/executor/multiproc_executor.py (WorkerProc) and vllm/v1/worker/
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import queue
@@ -29,19 +33,23 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import zmq
 
+from shared.model import LayerFactory
 from shared.sampler import SampledBatch, make_generator
 
+from . import envs
 from .config import EngineConfig
 from . import prompt_logprobs
 from .model_runner import ModelRunner, ModelRunnerOutput, SequenceBatchEntry
 from .parallel_layers import TensorParallelLayers
 from .parallel_state import ParallelConfig, init_distributed, rank_device
+from .pipeline import PipelineStage
 
 
 DRIVER_SILENCE_MS = 10_000
@@ -80,9 +88,16 @@ def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_t
     results.connect(parallel.result_addr)
     try:
         cpu_group = init_distributed(parallel, rank, device, config)
-        size = parallel.tensor_parallel_size
+        size, stages = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        stage, tp_rank = parallel.coordinates(rank)
         # A group of one needs no sharding and no collectives (each would still cost a call into gloo).
-        runner = ModelRunner(config, TensorParallelLayers(rank, size) if size > 1 else None, str(device))
+        layers = TensorParallelLayers(tp_rank, size) if size > 1 else LayerFactory() if stages > 1 else None
+        pipeline = PipelineStage(stage, stages, size, rank) if stages > 1 else None
+        runner = ModelRunner(config, layers, str(device), pipeline)
+        if stages > 1:  # every stage holds as many blocks as the one with room for the fewest
+            blocks = torch.tensor([runner.num_blocks])
+            dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=cpu_group)
+            runner.num_blocks = int(blocks)
         seed = [config.seed if config.seed is not None else int.from_bytes(os.urandom(4), "little")]  # --seed
         dist.broadcast_object_list(seed, src=0, group=cpu_group)
         torch.manual_seed(seed[0])  # the same stream on every rank, for unseeded sampling
@@ -92,7 +107,9 @@ def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_t
                 "max_model_len": runner.max_model_len, "num_blocks": runner.num_blocks,
                 "block_size": runner.block_size, "kv_connector_info": runner.kv_connector_info,
                 "cudagraph_mode": runner.cudagraph_mode, "device": str(device)})))
-        WorkerProc(runner, rank, steps, gone, results).run()
+        if envs.VLLM_COURSE_STEP_TIMELINE:
+            runner.timeline = []  # perf_counter: one clock for every process of the host
+        WorkerProc(runner, rank == parallel.output_rank, steps, gone, results).run()
     except BaseException:
         try:
             results.send(pickle.dumps(("error", f"rank {rank}:\n{traceback.format_exc()}")))
@@ -100,6 +117,10 @@ def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_t
             pass
         raise
     finally:
+        if "runner" in locals() and runner.timeline is not None:
+            folder = Path(envs.VLLM_COURSE_STEP_TIMELINE)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"rank{rank}.json").write_text(json.dumps(runner.timeline))
         if "runner" in locals() and runner.kv_connector is not None:
             runner.kv_connector.shutdown()
         if dist.is_initialized():
@@ -109,10 +130,11 @@ def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_t
 
 class WorkerProc:
     """Three threads: the receiver prepares step N+1's inputs while the main thread runs step N,
-    and (rank 0) the sender ships each step's tokens back as soon as they are on the host."""
+    and (the output rank) the sender ships each step's tokens back as soon as they are on the host."""
 
-    def __init__(self, runner: ModelRunner, rank: int, steps: zmq.Socket, gone: zmq.Socket, results: zmq.Socket):
-        self.runner, self.rank = runner, rank
+    def __init__(self, runner: ModelRunner, sends_results: bool, steps: zmq.Socket, gone: zmq.Socket,
+                 results: zmq.Socket):
+        self.runner, self.sends_results = runner, sends_results
         self.steps, self.gone, self.results = steps, gone, results
         self.inputs: queue.SimpleQueue = queue.SimpleQueue()  # prepared steps, None: stop
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # step results to send, None: stop
@@ -122,14 +144,14 @@ class WorkerProc:
         receiver = threading.Thread(target=self._receive_loop, name="step-receiver", daemon=True)
         receiver.start()
         sender = threading.Thread(target=self._send_loop, name="result-sender", daemon=True)
-        if self.rank == 0:
+        if self.sends_results:
             sender.start()
         try:
             while (item := self.inputs.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 out = self.runner.execute_model(item)
-                if self.rank == 0:
+                if self.sends_results:
                     self.outputs.put(out)
         finally:
             self.outputs.put(None)

@@ -30,6 +30,7 @@ class LayerFactory:
     so weight formats (14) change without a new factory. (vLLM reaches the same end with
     parallel-aware layer classes and a `quant_method` on every linear layer.)"""
     tp_rank, tp_size = 0, 1  # this process's place in a tensor-parallel group
+    layer_range: tuple[int, int] | None = None  # a pipeline stage's layers [start, end) (part 15); None: all
 
     def __init__(self, quant_config: QuantizationConfig | None = None):
         self.quant_config = quant_config
@@ -95,7 +96,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, layers: LayerFactory,
                  prefix: str):
         super().__init__()
-        self.layer_idx = layer_idx
+        # Its index in the KV cache, which holds this pipeline stage's layers only (part 15).
+        self.layer_idx = layer_idx - (layers.layer_range or (0, 0))[0]
         self.qkv_proj = layers.qkv_proj(cfg, f"{prefix}.qkv_proj")
         # The heads this module computes: all of them, or a shard's (part 09).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -156,6 +158,10 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class PPMissingLayer(nn.Module):
+    """A layer another pipeline stage holds: no weights here (part 15)."""
+
+
 class LlamaForCausalLM(nn.Module):
     # Checkpoint names that land in a slice of one of our merged projections.
     stacked_params = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
@@ -170,14 +176,19 @@ class LlamaForCausalLM(nn.Module):
         layers = layers or LayerFactory()
         max_positions = max_positions or cfg.max_position_embeddings
         rotaries: dict[str, RotaryEmbedding] = {}  # one table per kind of layer, shared by those layers
-        self.embed_tokens = layers.embed_tokens(cfg, "model.embed_tokens")
+        # A pipeline stage (part 15) builds its own layers only; the first embeds, the last normalises
+        # and projects (and holds the embedding too when the head is tied to it).
+        self.start_layer, self.end_layer = layers.layer_range or (0, cfg.num_hidden_layers)
+        first, last = self.start_layer == 0, self.end_layer == cfg.num_hidden_layers
+        self.embed_tokens = layers.embed_tokens(cfg, "model.embed_tokens") \
+            if first or (last and cfg.tie_word_embeddings) else None
         self.layers = nn.ModuleList(
             self.decoder_layer_cls(cfg, i, self.rotary_for(i, layers, max_positions, rotaries), layers,
-                                   f"model.layers.{i}")
+                                   f"model.layers.{i}") if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
-        self.norm = layers.rms_norm(cfg)
-        self.lm_head = layers.lm_head(cfg, "lm_head")
-        if cfg.tie_word_embeddings:
+        self.norm = layers.rms_norm(cfg) if last else None
+        self.lm_head = layers.lm_head(cfg, "lm_head") if last else None
+        if cfg.tie_word_embeddings and last:
             self.lm_head.weight = self.embed_tokens.weight
 
     def rotary_for(self, layer_idx: int, layers: LayerFactory, max_positions: int,
@@ -190,17 +201,29 @@ class LlamaForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Returns the final hidden states [T, hidden] for every token."""
-        x, residual = self.embed_input_ids(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Returns the final hidden states [T, hidden] for every token; a pipeline stage before the last
+        (part 15) starts from the previous stage's `intermediate` (hidden states, residual) unless it is
+        the first, and returns its own."""
+        x, residual = (self.embed_input_ids(input_ids), None) if intermediate is None else intermediate
+        for layer in self.layers[self.start_layer:self.end_layer]:
             x, residual = layer(positions, x, residual)
+        if self.norm is None:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the rows that will sample (usually the last token of a sequence)."""
         return self.lm_head(hidden).float()
+
+    def is_pp_missing(self, name: str) -> bool:
+        """A checkpoint tensor of a part another pipeline stage holds (name without "model.")."""
+        if name.startswith("layers."):
+            return not self.start_layer <= int(name.split(".")[1]) < self.end_layer
+        held = {"embed_tokens": self.embed_tokens, "norm": self.norm, "lm_head": self.lm_head}
+        return name.split(".")[0] in held and held[name.split(".")[0]] is None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of the parameters that were filled."""
@@ -212,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         got_shards: dict[str, set] = {}
         for name, tensor in weights:
             name = name.removeprefix("model.") if not name.startswith("lm_head") else name
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or self.is_pp_missing(name):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head

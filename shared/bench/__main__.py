@@ -1,4 +1,4 @@
-"""`python -m shared.bench {throughput,serve,roofline,perplexity,scoreboard} ...`: see each subcommand's --help."""
+"""`python -m shared.bench {throughput,serve,roofline,perplexity,host,pipeline,scoreboard} ...`: see each subcommand's --help."""
 from __future__ import annotations
 
 import argparse
@@ -175,6 +175,13 @@ def cmd_scoreboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def pipeline_main(argv: list[str]) -> int:
+    from .pipeline import main as run
+
+    run(argv)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shared.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -255,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_arg(h)
     h.add_argument("--json", default=None)
     h.set_defaults(func=cmd_host)
+
+    pl = sub.add_parser("pipeline", help="part 15's pipeline bubble: PP 1, PP 2 one step at a time, PP 2 "
+                                         "with two in flight (pipeline.py)")
+    pl.add_argument("--requests", type=int, default=16)
+    pl.add_argument("--json", default=None)
+    pl.set_defaults(func=lambda a: pipeline_main(["--requests", str(a.requests)] + (["--json", a.json] if a.json else [])))
 
     b = sub.add_parser("scoreboard", help="the README's table and chart from one throughput run's --json")
     b.add_argument("results", help="a throughput --json file that measured several parts and vLLM")
