@@ -88,9 +88,9 @@ def profile_kv_budget(model: torch.nn.Module, device: torch.device, max_tokens: 
 
 
 def min_over_ranks(budget: int, device: torch.device) -> int:
-    """The smallest budget of the tensor-parallel group: every rank's pool holds the same blocks."""
+    """The smallest budget of every rank (all stages' TP groups): every rank's pool holds the same blocks."""
     import torch.distributed as dist
 
     t = torch.tensor([budget], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=dist.group.WORLD)
     return int(t.item())
