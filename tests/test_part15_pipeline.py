@@ -6,7 +6,7 @@
   hold and at most max_num_seqs / PP of them.
 - The engine: a 5-layer Llama and a 5-layer Qwen2-MoE at PP 2, PP 3 (uneven) and TP 2 x PP 2 give
   PP 1's tokens, greedy and seeded, and HF's greedy ones, with chunked prefill, a prefix hit and a
-  preemption; steps are in flight together; a killed stage fails the engine with WorkerDied and the
+  preemption; int8 weights and expert parallelism inside a stage give one stage's tokens; steps are in flight together; a killed stage fails the engine with WorkerDied and the
   server answers 503; a --headless second "node" on loopback holds stage 1."""
 from __future__ import annotations
 
@@ -161,6 +161,20 @@ def test_stages_give_one_stages_tokens(models, single, name, pp, tp):
         assert out == hf_greedy_tokens(models[name], again, 6)[0] and stats.hits - hits == 32
         assert pool_is_full(m)
     assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.parametrize("setup", ["int8", "ep"])
+def test_quantized_weights_and_experts_inside_a_stage(models, setup):
+    """int8 weights at PP 2 give int8's tokens at PP 1; expert parallelism inside each of 2 stages of
+    TP 2 gives the single process's tokens."""
+    name, kw = ("llama", dict(quantization="int8")) if setup == "int8" else \
+        ("moe", dict(tensor_parallel_size=2, enable_expert_parallel=True))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    one = llm(models[name], **(kw if setup == "int8" else {}))
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, greedy(6))]
+    with llm(models[name], pipeline_parallel_size=2, **kw) as m:
+        assert len(m.engine.executor.procs) == 2 * kw.get("tensor_parallel_size", 1)
+        assert [o.outputs[0].token_ids for o in m.generate(prompts, greedy(6))] == want
 
 
 def test_steps_are_in_flight_together(models, single):
