@@ -207,8 +207,8 @@ class LlamaForCausalLM(nn.Module):
         (part 15) starts from the previous stage's `intermediate` (hidden states, residual) unless it is
         the first, and returns its own."""
         x, residual = (self.embed_input_ids(input_ids), None) if intermediate is None else intermediate
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            x, residual = layer(positions, x, residual)
+        for i in range(self.start_layer, self.end_layer):  # (a slice would build a ModuleList each step)
+            x, residual = self.layers[i](positions, x, residual)
         if self.norm is None:
             return x, residual
         x, _ = self.norm(x, residual)

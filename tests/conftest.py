@@ -337,12 +337,12 @@ def greedy(n: int, **kw):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
-def hf_greedy_tokens(path, prompts, n: int) -> list[list[int]]:
+def hf_greedy_tokens(path, prompts, n: int, attn_implementation: str | None = None) -> list[list[int]]:
     """HF transformers' fp32 greedy continuation of each prompt (n tokens, no EOS) from the
     checkpoint at `path`, on the CPU: the oracle for a tiny checkpoint a test saved."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation).eval()
     out = []
     for ids in prompts:
         with torch.no_grad():

@@ -66,3 +66,8 @@ def hf_model(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def save_families(root: Path, seed: int) -> dict[str, Path]:
+    """Every family's checkpoint under `root`, by name."""
+    return {name: save_family(root / name, name, seed=seed) for name in FAMILIES}

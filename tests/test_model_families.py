@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_families import FAMILIES, WINDOW, hf_model, save_family
+from model_families import FAMILIES, WINDOW, hf_model, save_families
 from shared.attention import sdpa
 from shared.forward_context import AttentionBackend, set_forward_context
 from shared.weights import load_config, load_model
@@ -40,8 +40,7 @@ def ours(path: Path, ids: torch.Tensor, max_positions: int | None = None, **atte
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {name: save_family(root / name, name, seed=3) for name in FAMILIES}
+    return save_families(tmp_path_factory.mktemp("families"), seed=3)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -333,8 +333,8 @@ def _family_graphs(tmp: Path, *prompts: list[int]) -> dict:
     norms, two RoPE tables, five-to-one sliding layers), eager and through FULL and PIECEWISE graphs."""
     import torch
 
-    from conftest import greedy
-    from model_families import hf_model, save_family
+    from conftest import greedy, hf_greedy_tokens
+    from model_families import save_family
     from part15_full import LLM
     from part15_full.cuda_graph import EagerGraph
     from part15_full.graph_runner import CUDAGraphRunner, GraphRunner
@@ -360,13 +360,7 @@ def _family_graphs(tmp: Path, *prompts: list[int]) -> dict:
         gr = CUDAGraphRunner(r.model, r.attn, M.FULL_AND_PIECEWISE, sizes, max_num_seqs=4,
                              buffers=r.input_batch.device_arrays, max_model_len=r.max_model_len, graph_cls=EagerGraph)
         gr.capture()
-        hf = hf_model(path)
-        ref = []
-        for ids in prompts:
-            with torch.no_grad():
-                ref.append(hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                                       pad_token_id=0)[0, len(ids):].tolist())
-        out[name] = {"hf": ref, "eager": eager, "graphed": run(gr), "windows": list(r.attn.windows),
+        out[name] = {"hf": hf_greedy_tokens(path, prompts, 6, attn_implementation="eager"), "eager": eager, "graphed": run(gr), "windows": list(r.attn.windows),
                      "softcap": r.attn.logit_softcap, "replays": {m.name: k for m, k in gr.replays.items()}}
         llm.shutdown()
     return out

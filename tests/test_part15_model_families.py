@@ -12,22 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import greedy, pool_is_full, save_tiny
-from model_families import FAMILIES, hf_model, save_family
+from conftest import greedy, hf_greedy_tokens, pool_is_full, save_tiny
+from model_families import FAMILIES, hf_model, save_families
 
 PROMPTS = [list(range(3, 43)), [5, 9, 11], [7] * 3 + list(range(60, 90))]
 N = 10
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], n: int = N) -> list[list[int]]:
-    hf = hf_model(path)
-    out = []
-    for ids in prompts:
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(ref[0, len(ids):].tolist())
-    return out
+    return hf_greedy_tokens(path, prompts, n, attn_implementation="eager")  # soft-caps need eager
 
 
 def llm(path: Path, **kw):
@@ -43,8 +36,7 @@ def run(m, prompts, n: int = N) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families15")
-    return {name: save_family(root / name, name, seed=5) for name in FAMILIES}
+    return save_families(tmp_path_factory.mktemp("families15"), seed=5)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
