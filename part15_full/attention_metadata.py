@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache_manager import compute_slot_mapping
+from .block_utils import compute_slot_mapping
 
 PAD_SLOT_ID = -1  # slot_mapping entry of a padding token: its K/V are not stored anywhere
 NULL_BLOCK_ID = 0  # block-table padding: the pool's reserved, never-written null block

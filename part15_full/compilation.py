@@ -1,4 +1,4 @@
-"""torch.compile of the model, with the attention left out of the graph ("piecewise").
+"""torch.compile of the model, with attention one opaque op in its graph (mode "attention_op").
 
 A decode step runs the same few dozen small kernels per layer, each launched from Python. Compiling
 the model with TorchDynamo + Inductor traces those Python calls once into a graph, fuses the
@@ -7,8 +7,8 @@ kernels (C++/OpenMP on a CPU, Triton on a GPU) and removes the per-op Python ove
 
 Attention is the part that does not compile well: paged attention reads block tables and
 sequence lengths that change every step, and its plan is data dependent. vLLM therefore splits the
-graph at every attention call ("piecewise" compilation: the pieces between attentions compiled,
-attention run as an opaque op); we do the same: attention reaches the backend through the custom op
+graph at every attention call (its "piecewise" compilation: the pieces between attentions compiled,
+attention run as an opaque op); we keep attention opaque the same way, in one graph: attention reaches the backend through the custom op
 `vllm_course::unified_attention` (`_AttentionOp`), which Dynamo keeps as one node it does not look
 into, so the whole forward is one graph with no break (excluding the backend from tracing
 instead would break the graph at every layer: a few dozen graphs, and Python between them at every
@@ -27,7 +27,7 @@ this on a GPU. Their configuration is here, `--compilation-config '{"cudagraph_m
 and replay are in cuda_graph.py, the split at attention in piecewise.py, the runner in
 graph_runner.py.
 
-Modes (`--compilation-mode`): none (eager), piecewise (the above), full (Dynamo over everything,
+Modes (`--compilation-mode`): none (eager), attention_op (the above), full (Dynamo over everything,
 attention included: it splits the graph wherever tracing fails, which on paged attention means
 many small graphs). `--enforce-eager` forces none, and no CUDA graphs.
 
@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from shared.forward_context import AttentionBackend, get_forward_context, set_forward_context
+from shared.forward_context import AttentionBackend, get_forward_context, override_forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def compile_model(model: torch.nn.Module, attention_backend, mode: str) -> None:
 
     dynamo_config.allow_unspec_int_on_nn_module = True
     compiled = torch.compile(model.forward, dynamic=True)
-    if mode == "piecewise":  # attention as the one opaque op, bound to this step's backend and metadata
+    if mode == "attention_op":  # attention as the one opaque op, bound to this step's backend and metadata
         compiled = _through_attention_op(compiled)
     state = {"first": True}
 
@@ -76,9 +76,7 @@ def compile_model(model: torch.nn.Module, attention_backend, mode: str) -> None:
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """The step's attention for one layer (stores k, v in the KV cache, which is not an argument: each
     layer's call reads the one before it, so the compiled graph keeps them in order)."""
-    from . import piecewise
-
-    return piecewise._step_attention(layer_idx, q, k, v)
+    return get_forward_context().attention(layer_idx, q, k, v)
 
 
 @unified_attention.register_fake
@@ -94,13 +92,13 @@ class _AttentionOp(AttentionBackend):
 
 
 def _through_attention_op(compiled):
-    """The compiled forward run with the op as its backend, the op bound to the step's attention (the
+    """The compiled forward run with the op as its backend, the op calling the step's attention (the
     backend and metadata of the forward context, bound once a step)."""
-    from .piecewise import bind_attention
 
     def forward(*args, **kwargs):
         ctx = get_forward_context()
-        with bind_attention(_bound_step(ctx.backend, ctx.metadata)), set_forward_context(_ATTENTION_OP, None):
+        with override_forward_context(backend=_ATTENTION_OP, metadata=None,
+                                      attention=_bound_step(ctx.backend, ctx.metadata)):
             return compiled(*args, **kwargs)
     return forward
 

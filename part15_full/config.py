@@ -4,9 +4,11 @@ Every technique of the course is one or a few fields here. Some combinations can
 (swap preemption and a draft model's KV cache, a host tier given twice, expert parallelism without
 tensor-parallel ranks to put experts on, ...); `validate()` finds all of them at once and names the
 flags, before any process is started or any weight is read, so a bad command line fails in a
-second instead of after a model load. The engine's own checks stay where they are: they also guard
-engines built without a server. `summary()` is the effective configuration the server prints at
-start-up: what each default resolved to on this device.
+second instead of after a model load. Every entry point calls it first: the server's main (with
+--headless), LLMEngine (and with it the offline LLM and AsyncLLM) and the engine-core clients
+(core_client.py). What depends on the loaded model (its context length) the engine checks once it
+knows it. `summary()` is the effective configuration the server prints at start-up: what each
+default resolved to on this device.
 
 In vLLM: vllm/engine/arg_utils.py (EngineArgs: the flags, create_engine_config) and the
 __post_init__/verify methods of vllm/config/ (VllmConfig and its parts), which refuse invalid
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import os
+import sys
 import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -124,7 +128,9 @@ class EngineConfig:
                 "block hashes (default: random, private to this process)"})
     kv_transfer_config: str | dict | None = field(default=None, metadata={
         "help": "a KV connector, as JSON with vLLM's fields: kv_connector (OffloadingConnector, "
-                "ExampleConnector, NixlConnector), kv_role (kv_producer, kv_consumer, kv_both), "
+                "ExampleConnector, NixlConnector; the course's NixlConnector has vLLM's name and handshake "
+                "shape but sends KV blocks over ZeroMQ through host memory, not NIXL/RDMA), "
+                "kv_role (kv_producer, kv_consumer, kv_both), "
                 "engine_id, kv_ip, kv_port, kv_connector_extra_config, kv_load_failure_policy "
                 "(fail, recompute)"})
     kv_offloading_size: float | None = field(default=None, metadata={
@@ -209,8 +215,8 @@ class EngineConfig:
         "help": "who compiles response_format / structured_outputs constraints: xgrammar (every kind, "
                 "vLLM's default), course (this course's own FSM: regex and choice), auto (xgrammar)"})
     compilation_mode: str | None = field(default=None, metadata={
-        "help": "torch.compile of the model: none, piecewise (attention left out of the graph, as vLLM "
-                "splits it) or full (default: piecewise on cuda, none on cpu)"})
+        "help": "torch.compile of the model: none, attention_op (one graph with attention as an opaque op, "
+                "where vLLM splits its graph) or full (default: attention_op on cuda, none on cpu)"})
     compilation_config: str | dict | None = field(default=None, metadata={
         "help": "CUDA graphs, as JSON with vLLM's fields: cudagraph_mode (NONE, PIECEWISE, FULL, "
                 "FULL_DECODE_ONLY, FULL_AND_PIECEWISE; default on cuda: FULL_DECODE_ONLY over the torch.compiled "
@@ -270,7 +276,11 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def validate(self, headless: bool = False) -> None:
-        """Raise ValueError listing every invalid setting or combination, each with its flags."""
+        """Raise ValueError listing every invalid setting or combination, each with its flags. It reads
+        the configuration and changes nothing, so a second call answers as the first. `headless`: this
+        host runs engines for an API server elsewhere (--headless); the engine cores a client starts get
+        their host's share of engines written into data_parallel_size_local and data_parallel_start_rank
+        (core_client.start_engines), so an engine's own call needs no flag."""
         problems = list(_problems(self, headless))
         if problems:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
@@ -387,12 +397,12 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
 
-COMPILATION_MODES = ("none", "piecewise", "full")  # --compilation-mode (compilation.py)
+COMPILATION_MODES = ("none", "attention_op", "full")  # --compilation-mode (compilation.py)
 
 
 def resolve_compilation_mode(mode: str | None, enforce_eager: bool, device: torch.device,
                              split_for_graphs: bool = False) -> str:
-    """The mode in effect. Default: piecewise on CUDA; none on CPU, where notebook 15 measured
+    """The mode in effect. Default: attention_op on CUDA; none on CPU, where notebook 15 measured
     the compiled model's decode no faster than eager (ITL p50 219 against 211 ms; its throughput
     within the run's spread) while every start pays the compile. None, too, when the CUDA-graph
     mode asked for splits the forward at attention itself (`split_for_graphs`, piecewise.py)."""
@@ -400,7 +410,7 @@ def resolve_compilation_mode(mode: str | None, enforce_eager: bool, device: torc
         raise ValueError(f"compilation_mode must be one of {', '.join(COMPILATION_MODES)}, got {mode!r}")
     if enforce_eager:
         return "none"
-    return mode or ("piecewise" if device.type == "cuda" and not split_for_graphs else "none")
+    return mode or ("attention_op" if device.type == "cuda" and not split_for_graphs else "none")
 
 
 # --compilation-config (part 15): CUDA graphs, vLLM's JSON and field names (vllm/config/compilation.py).
@@ -469,7 +479,7 @@ class CompilationConfig:
     def resolve(self, on_cuda: bool, enforce_eager: bool, compiled: bool, max_num_seqs: int,
                 max_num_batched_tokens: int, uniform_decode_query_len: int = 1) -> tuple[CUDAGraphMode, list[int]]:
         """The mode and the capture sizes in effect. No graphs without CUDA or with --enforce-eager.
-        `compiled`: the model is torch.compiled whole (--compilation-mode piecewise or full), which
+        `compiled`: the model is torch.compiled whole (--compilation-mode attention_op or full), which
         the piecewise split cannot go inside, so the default becomes FULL_DECODE_ONLY. Sizes are at
         most the step's token budget; with drafts (uniform_decode_query_len = 1 + k) a FULL decode
         graph's sizes are rounded up to multiples of it."""
@@ -540,9 +550,11 @@ def _problems(c: EngineConfig, headless: bool):
     else:
         wants_graphs = graphs.cudagraph_mode not in (None, "NONE")
         on_cuda = c.device.startswith("cuda") if c.device not in (None, "auto") else torch.cuda.is_available()
-        if wants_graphs and not c.enforce_eager and not on_cuda:
+        from . import envs  # the switch registry, no engine code
+
+        if wants_graphs and not c.enforce_eager and not on_cuda and not envs.VLLM_COURSE_GRAPH_STAND_IN:
             yield f"--compilation-config: cudagraph_mode {graphs.cudagraph_mode} needs a CUDA device"
-        if graphs.splits_forward() and c.compilation_mode in ("piecewise", "full"):
+        if graphs.splits_forward() and c.compilation_mode in ("attention_op", "full"):
             yield (f"--compilation-config: cudagraph_mode {graphs.cudagraph_mode} splits the model at attention "
                    f"itself; with --compilation-mode {c.compilation_mode} use FULL_DECODE_ONLY")
     if c.generation_config not in ("auto", "vllm"):
@@ -581,8 +593,12 @@ def _problems(c: EngineConfig, headless: bool):
         kv = KVTransferConfig.from_cli(c.kv_transfer_config)
     except (ValueError, TypeError) as e:  # bad JSON, unknown fields, roles, policies
         yield f"--kv-transfer-config: {e}"
-    if kv is not None and kv.kv_connector not in KV_CONNECTORS:
-        yield f"--kv-transfer-config: unknown kv_connector {kv.kv_connector!r}; known: {', '.join(KV_CONNECTORS)}"
+    known = KV_CONNECTORS
+    factory = sys.modules.get(f"{__package__}.kv_connector_factory")
+    if factory is not None:  # loaded already (never imported here): connectors registered in this process count
+        known = tuple(factory.KVConnectorFactory.names())
+    if kv is not None and kv.kv_connector not in known:
+        yield f"--kv-transfer-config: unknown kv_connector {kv.kv_connector!r}; known: {', '.join(known)}"
     if kv is not None and c.kv_offloading_size:
         yield "give --kv-offloading-size or --kv-transfer-config, not both (the first is the OffloadingConnector)"
     if c.kv_offloading_size is not None and c.kv_offloading_size <= 0:
@@ -608,10 +624,20 @@ def _problems(c: EngineConfig, headless: bool):
     if c.enable_expert_parallel and c.tensor_parallel_size < 2:
         yield ("--enable-expert-parallel puts experts on the tensor-parallel ranks: it needs "
                "--tensor-parallel-size of 2 or more")
-    if c.nnodes and c.nnodes > 1 and c.data_parallel_size > 1:  # each engine's ranks would span hosts
-        yield (f"--data-parallel-size {c.data_parallel_size} with --nnodes {c.nnodes}: an engine's tensor-parallel "
-               f"ranks across nodes cannot be combined with data parallelism here; spread the engines over nodes "
-               f"instead (--data-parallel-size-local, --data-parallel-address), each engine's ranks on one node")
+    # Data parallelism with each engine's ranks across nodes: a --headless host with --data-parallel-size > 1
+    # starts whole engines (headless.py), never another node's share of an engine's ranks, and the engines
+    # would all meet at the one --master-port. The nodes are --nnodes, or $NNODES, which the mp backend's
+    # ranks read when the flag is unset (parallel_state.ParallelConfig.resolve).
+    env_nnodes = os.environ.get("NNODES", "1")
+    spans = c.nnodes or (int(env_nnodes) if backend == "mp" and env_nnodes.isdigit() else 1)
+    if c.data_parallel_size > 1 and spans > 1:
+        source = f"--nnodes {c.nnodes}" if c.nnodes else f"$NNODES={spans}"
+        yield (f"--data-parallel-size {c.data_parallel_size} with {source}: each engine's --tensor-parallel-size x "
+               f"--pipeline-parallel-size ranks would span nodes, which data parallelism cannot run (a --headless "
+               f"host starts whole engines, not another node's ranks of one); keep each engine's ranks on one node "
+               f"(--nnodes 1) and spread the engines over the nodes instead: --data-parallel-size-local engines on "
+               f"each, --data-parallel-start-rank, --data-parallel-address and --data-parallel-rpc-port, --headless "
+               f"on the hosts without the API server")
     if c.nnodes and c.nnodes > 1 and c.world_size % c.nnodes:
         yield (f"--tensor-parallel-size x --pipeline-parallel-size ({c.world_size}) must divide evenly over "
                f"--nnodes ({c.nnodes})")

@@ -57,11 +57,10 @@ from .kv_cache_utils import BlockHasher, make_none_hash
 from .messages import (EngineCoreEventType as Event, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                        EngineCoreRequestType as Kind, Dead, Handshake, Ready, Rejected, decode, encode)
 from .metrics import PrometheusStatLogger
-from .multiproc_executor import threads_per_process
+from .process_utils import join_all, threads_per_process
 from .outputs import RequestOutput  # with prompt logprobs (part 15)
 from .router import make_router
 from .stats import IterationStats, RequestTimer
-from .worker import join_all
 
 log = logging.getLogger("vllm_course.core_client")
 
@@ -81,8 +80,11 @@ def start_engines(config: EngineConfig, ranks: range, input_addr: str, output_ad
     """Spawn engine cores; the node's cores are shared among all of them and their TP workers."""
     ctx = mp.get_context("spawn")
     threads = threads_per_process(config.num_threads, os.cpu_count() or 1,
-                                  len(ranks) * (config.tensor_parallel_size // (config.nnodes or 1)))
-    config = dataclasses.replace(config, num_threads=threads)
+                                  len(ranks) * config.tensor_parallel_size * config.pipeline_parallel_size)
+    # Each engine validates its configuration again (LLMEngine): it is told which engines this host
+    # runs, which a --headless host's flags may leave to their defaults.
+    config = dataclasses.replace(config, num_threads=threads, data_parallel_size_local=len(ranks),
+                                 data_parallel_start_rank=ranks.start)
     procs = {}
     for rank in ranks:
         procs[rank] = ctx.Process(target=engine_core_main, args=(config, rank, input_addr, output_addr),
@@ -92,14 +94,11 @@ def start_engines(config: EngineConfig, ranks: range, input_addr: str, output_ad
 
 
 class MPClient(EngineClient):
-    """Engine cores in processes of their own; subclasses choose the engine of each request."""
+    """Engine cores in processes of their own; subclasses choose the engine of each request. The
+    subclasses validate the configuration before anything here runs."""
 
     def __init__(self, config: EngineConfig, size: int):
         local = size if config.data_parallel_size_local is None else config.data_parallel_size_local
-        if not 0 <= local <= size:
-            raise ValueError(f"data_parallel_size_local must be in [0, {size}]")
-        if local < size and not config.data_parallel_rpc_port:
-            raise ValueError("engines on other hosts need a fixed --data-parallel-rpc-port to connect to")
         self.config, self.engine_indexes = config, list(range(size))
         self.stat_logger: PrometheusStatLogger | None = None  # set by metrics.attach_stat_logger
         self.hash_seed = config.prefix_caching_hash_seed or secrets.token_hex(16)
@@ -375,6 +374,7 @@ class AsyncMPClient(MPClient):
     """One engine core in a process of its own (vLLM V1's default layout)."""
 
     def __init__(self, config: EngineConfig):
+        config.validate()  # every invalid setting at once (config.py), before the engine's process starts
         super().__init__(config, 1)
 
     def _choose_engine(self, hint) -> int:
@@ -385,6 +385,7 @@ class DPAsyncMPClient(MPClient):
     """N engine cores; each request goes to the one the router picks."""
 
     def __init__(self, config: EngineConfig):
+        config.validate()  # every invalid setting at once (config.py), before the router or an engine starts
         self.router = make_router(config.routing_policy, config.data_parallel_size)  # refuses unknown ones
         self.policy = config.routing_policy
         super().__init__(config, config.data_parallel_size)
@@ -406,9 +407,8 @@ class DPAsyncMPClient(MPClient):
 
 
 def run_headless_engines(config: EngineConfig) -> int:
-    """Another host's engines: ranks start..start+local-1, connecting to the API server."""
-    if not config.data_parallel_rpc_port:
-        raise ValueError("--headless engines need the API server's --data-parallel-rpc-port")
+    """Another host's engines: ranks start..start+local-1, connecting to the API server. The server's
+    main validated the configuration with headless=True (its --data-parallel-rpc-port among it)."""
     local = config.data_parallel_size_local or 1
     addr, port = config.data_parallel_address, config.data_parallel_rpc_port
     start = config.data_parallel_start_rank

@@ -9,11 +9,13 @@ static buffers) before a replay, and anything the host decided at capture (a gri
 a Python int) is decided for good.
 
 How. `CUDAGraphWrapper` wraps a callable: the whole forward (a FULL graph) or one piece between
-two attention calls (PIECEWISE, piecewise.py). It reads the step's mode and shape from
-`cudagraph_runtime` (set by the graph runner around the forward): in another mode it just calls
-through, so FULL and PIECEWISE wrappers nest; at a shape it has not seen it captures, which is
-allowed only while the runner captures at start-up; at a captured shape it replays and returns the
-tensors the capture returned. Every graph shares one memory pool, and shapes are captured largest
+two attention calls (PIECEWISE, piecewise.py). `capture(desc, ...)` records the callable as the graph
+of one batch shape; the graph runner's start-up loop calls it for each FULL shape, and runs the
+split forward once per PIECEWISE shape with `capturing` set in the forward context, so that each
+piece records its graph as the forward reaches it. At a step, the wrapper reads the step's mode and
+shape from the forward context (shared/forward_context.py, set by the graph runner): in another mode
+it just calls through, so FULL and PIECEWISE wrappers nest; at a captured shape it replays and
+returns the tensors the capture returned; a shape never captured is an error. Every graph shares one memory pool, and shapes are captured largest
 first, so a smaller graph's temporaries reuse the largest one's memory. A wrapper keeps only weak
 references to those outputs (`weak_ref`: a tensor over the same memory that does not keep it
 allocated): a step replays the graphs of one size, and reads each output before a graph of another
@@ -22,7 +24,7 @@ every piece's output at every size, about 30 layers x 3 tensors x 51 sizes on a 
 `capture_session` runs the start-up capture with one garbage collection and one release of cached
 memory before it, instead of the two torch.cuda.graph makes for each of the ~1,600 captures.
 
-`CudaGraph` is the real thing. `EagerGraph` is a stand-in with the same contract for machines
+`CUDAGraph` is the real thing (a torch.cuda.CUDAGraph in a shared pool). `EagerGraph` is a stand-in with the same contract for machines
 without CUDA: "capture" keeps the call and its result, "replay" calls it again and writes the
 result into the tensors the capture returned. It runs the graph runner's padding, static buffers
 and dispatch on a CPU; a runner that forgot to copy an input into its static buffer replays
@@ -42,29 +44,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from shared.forward_context import get_forward_context
+
 from .config import CUDAGraphMode
 from .cudagraph_dispatcher import BatchDescriptor
-
-
-@dataclass
-class _Runtime:
-    mode: CUDAGraphMode = CUDAGraphMode.NONE
-    desc: BatchDescriptor | None = None
-    capturing: bool = False  # only the runner's start-up capture may record new graphs
-
-
-_runtime = _Runtime()
-
-
-@contextmanager
-def cudagraph_runtime(mode: CUDAGraphMode, desc: BatchDescriptor | None, capturing: bool = False) -> Iterator[None]:
-    """The step's mode and shape, for every wrapper the forward meets."""
-    global _runtime
-    previous, _runtime = _runtime, _Runtime(mode, desc, capturing)
-    try:
-        yield
-    finally:
-        _runtime = previous
 
 
 @contextmanager
@@ -105,15 +88,15 @@ def weak_ref(x: Any) -> Any:
     return raw.view(x.dtype).view(x.shape)
 
 
-class CudaGraph:
+class CUDAGraph:
     """A torch.cuda.CUDAGraph in the pool every graph of the process shares."""
     _pool = None
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        if CudaGraph._pool is None:
-            CudaGraph._pool = torch.cuda.graph_pool_handle()
+        if CUDAGraph._pool is None:
+            CUDAGraph._pool = torch.cuda.graph_pool_handle()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=CudaGraph._pool):
+        with torch.cuda.graph(self.graph, pool=CUDAGraph._pool):
             return fn()
 
     def replay(self) -> None:
@@ -121,7 +104,7 @@ class CudaGraph:
 
 
 class EagerGraph:
-    """CudaGraph's contract without CUDA: a replay recomputes the captured call in place."""
+    """CUDAGraph's contract without CUDA: a replay recomputes the captured call in place."""
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         self.fn = fn
@@ -149,22 +132,27 @@ class _Entry:
 class CUDAGraphWrapper:
     """`runnable`, replayed from a graph per BatchDescriptor when the step's mode is `mode`."""
 
-    def __init__(self, runnable: Callable, mode: CUDAGraphMode, graph_cls: type = CudaGraph):
+    def __init__(self, runnable: Callable, mode: CUDAGraphMode, graph_cls: type = CUDAGraph):
         assert mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE)
         self.runnable, self.mode, self.graph_cls = runnable, mode, graph_cls
         self.entries: dict[BatchDescriptor, _Entry] = {}
 
+    def capture(self, desc: BatchDescriptor, *args) -> Any:
+        """Record `runnable(*args)` as the graph of `desc` (at start-up, on the shape's dummy inputs)."""
+        graph = self.graph_cls()
+        output = graph.capture(lambda: self.runnable(*args))
+        self.entries[desc] = _Entry(graph, weak_ref(output))
+        return output  # this forward's later pieces read it: strong until they are captured
+
     def __call__(self, *args):
-        rt = _runtime
-        if rt.mode != self.mode:  # eager, or the other kind of graph (which may contain this one)
+        ctx = get_forward_context()
+        if ctx.cudagraph_runtime_mode != self.mode:  # eager, or the other kind of graph (which may contain this one)
             return self.runnable(*args)
-        entry = self.entries.get(rt.desc)
+        entry = self.entries.get(ctx.batch_descriptor)
         if entry is None:
-            if not rt.capturing:
-                raise RuntimeError(f"no {self.mode.name} graph for {rt.desc}: graphs are captured at start-up only")
-            graph = self.graph_cls()
-            output = graph.capture(lambda: self.runnable(*args))
-            self.entries[rt.desc] = _Entry(graph, weak_ref(output))
-            return output  # this forward's later pieces read it: strong until they are captured
+            if not ctx.capturing:
+                raise RuntimeError(f"no {self.mode.name} graph for {ctx.batch_descriptor}: graphs are captured "
+                                   "at start-up only")
+            return self.capture(ctx.batch_descriptor, *args)  # a piece of the split forward's capture run
         entry.graph.replay()
         return entry.output

@@ -16,7 +16,7 @@ capture at start-up, each mode's largest first. FULL graphs of mixed batches (mo
 an attention backend that replays any batch at fixed shapes; none here does
 (paged_attention.AttentionCGSupport), so the model runner lowers that mode before it gets here.
 
-In vLLM v0.33.0: vllm/v1/cudagraph_dispatcher.py (CudagraphDispatcher: initialize_cudagraph_keys,
+In vLLM v0.33.0: vllm/v1/cudagraph_dispatcher.py (CudagraphDispatcher, spelled CUDAGraphDispatcher here as every CUDA-graph name of the stage: initialize_cudagraph_keys,
 dispatch) and vllm/forward_context.py (BatchDescriptor)."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class BatchDescriptor(NamedTuple):
     uniform: bool = False
 
 
-class CudagraphDispatcher:
+class CUDAGraphDispatcher:
     def __init__(self, mode: CUDAGraphMode, capture_sizes: list[int], max_num_seqs: int,
                  uniform_decode_query_len: int = 1):
         self.mode, self.sizes = mode, sorted(capture_sizes)

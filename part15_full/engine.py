@@ -41,17 +41,17 @@ from shared.output_processor import CompletionState
 from shared.sampler import SamplerOutput, SamplingRow, make_generators
 from shared.tokenizer import Tokenizer
 
-from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SPECULATIVE_METHODS, EngineConfig
+from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from .draft_model import DraftSlots
 from .executor import Executor, make_executor
 from . import prompt_logprobs
 from .input_processor import InputProcessor
 from .messages import EngineCoreRequest
 from .kv_cache_manager import KVCacheManager
-from .model_runner import SequenceBatchEntry
 from .ngram_proposer import NgramProposer
 from .rejection_sampler import RejectionOutput
 from .request import Request, Sequence
+from .runner_messages import SequenceBatchEntry
 from .kv_connector import KVConnectorRole, make_connector, resolve_kv_transfer_config
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .spec_decode_metrics import SpecDecodingStats
@@ -61,14 +61,8 @@ from .structured_output.reasoning import ReasoningTags
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        config.validate()  # every invalid setting at once (config.py), before a process starts or a weight loads
         self.config = config
-        if config.speculative_method not in (None, *SPECULATIVE_METHODS):
-            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                             f"got {config.speculative_method!r}")
-        if config.speculative_method and config.num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be at least 1")
-        if config.speculative_model and config.speculative_method != "draft_model":
-            raise ValueError("--speculative-model needs --speculative-method draft_model")
         # The KV connector (part 13), resolved once: the workers' halves get the same settings (engine id).
         kv_transfer = resolve_kv_transfer_config(config)
         if kv_transfer is not None:
@@ -83,18 +77,15 @@ class LLMEngine:
         chunked = config.enable_chunked_prefill
         max_tokens = config.max_num_batched_tokens or (DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked
                                                        else self.max_model_len)
+        # validate() held the budget to the flags; the model's context length is known only now. Without
+        # chunked prefill a whole prompt must fit in one step, and an unset budget is that length.
         if not chunked and max_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({max_tokens}) must be at least max_model_len "
                              f"({self.max_model_len}): without chunked prefill a whole sequence must "
                              f"fit in one step")
-        if max_tokens < config.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_tokens}) must be at least max_num_seqs "
-                             f"({config.max_num_seqs}): every running sequence may decode in one step")
-        if config.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap, got {config.preemption_mode!r}")
-        if config.preemption_mode == "swap" and config.speculative_method == "draft_model":
-            raise ValueError("--preemption-mode swap does not swap a draft model's KV cache: use recompute "
-                             "with --speculative-method draft_model")
+        if not chunked and config.max_num_batched_tokens is None and max_tokens < config.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_tokens}, the model's max_model_len) must be at least "
+                             f"max_num_seqs ({config.max_num_seqs}): every running sequence may decode in one step")
         # The KV connector's scheduler half (part 13): the workers hold the other half.
         self.connector = None if kv_transfer is None else make_connector(
             kv_transfer, KVConnectorRole.SCHEDULER, ex.block_size, kv_cache_manager=self.kv_cache_manager,

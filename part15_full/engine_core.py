@@ -44,7 +44,7 @@ from .messages import (EngineCoreEventType as Event, EngineCoreOutput, EngineCor
 from .parallel_state import engine_device
 from .request import Request
 from .stats import make_scheduler_stats, sequences_not_started
-from .worker import follow_parent
+from .process_utils import follow_parent
 
 log = logging.getLogger("vllm_course.engine_core")
 SERVER_SILENCE_MS = 10_000  # zmq answers heartbeats from its I/O thread: silence means gone
@@ -72,9 +72,10 @@ def engine_core_main(config: EngineConfig, rank: int, input_addr: str, output_ad
         _, payload = inp.recv_multipart()
         shared = decode(payload, Handshake)
         config = dataclasses.replace(config, prefix_caching_hash_seed=shared.prefix_caching_hash_seed)
-        # On one host's GPUs, each engine and its tensor-parallel ranks on GPUs of their own (part 15).
+        # On one host's GPUs, each engine and its ranks (TP x PP) on GPUs of their own (part 15).
         device = engine_device(config.device, rank - config.data_parallel_start_rank,
-                               config.tensor_parallel_size // (config.nnodes or 1), torch.cuda.is_available())
+                               config.tensor_parallel_size * config.pipeline_parallel_size,  # one node's (validate)
+                               torch.cuda.is_available())
         config = dataclasses.replace(config, device=device)
         if device is not None and device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))

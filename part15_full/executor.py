@@ -19,8 +19,9 @@ import queue
 from concurrent.futures import Future
 
 from .config import EngineConfig
-from .model_runner import ModelInput, ModelRunner, SequenceBatchEntry
+from .model_runner import ModelInput, ModelRunner
 from .parallel_state import ParallelConfig
+from .runner_messages import SequenceBatchEntry
 
 
 class Executor:

@@ -34,14 +34,15 @@ import time
 
 import torch
 
-from shared.forward_context import set_forward_context
+from shared.forward_context import override_forward_context, set_forward_context
 
 from .attention_metadata import PAD_SLOT_ID, PagedAttentionMetadata
 from .config import CUDAGraphMode
-from .cuda_graph import CudaGraph, CUDAGraphWrapper, EagerGraph, capture_session, cudagraph_runtime
-from .cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
-from .paged_attention import AttentionCGSupport, PagedAttention, resolve_obj_by_qualname
-from .piecewise import bind_attention, trace_split
+from .cuda_graph import CUDAGraph, CUDAGraphWrapper, EagerGraph, capture_session
+from .cudagraph_dispatcher import BatchDescriptor, CUDAGraphDispatcher
+from .paged_attention import AttentionCGSupport, PagedAttention
+from .piecewise import trace_split
+from .platforms import Platform, current_platform
 
 logger = logging.getLogger(__name__)
 
@@ -75,29 +76,25 @@ class GraphRunner:
 class CUDAGraphRunner(GraphRunner):
     """Replays steps from CUDA graphs (see the module's docstring). `buffers`: InputBatch's device
     arrays, which every step's inputs are views of (their first elements), padding written past
-    them; `graph_cls`: cuda_graph.py's CudaGraph, or its EagerGraph stand-in without CUDA."""
+    them; `graph_cls`: cuda_graph.py's CUDAGraph, or its EagerGraph stand-in without CUDA."""
 
     def __init__(self, model: torch.nn.Module, attn: PagedAttention, mode: CUDAGraphMode, sizes: list[int],
                  max_num_seqs: int, buffers, max_model_len: int,
-                 uniform_decode_query_len: int = 1, graph_cls: type = CudaGraph):
+                 uniform_decode_query_len: int = 1, graph_cls: type = CUDAGraph):
         super().__init__(model, attn)
         self.mode, self.max_model_len = mode, max_model_len
-        self.dispatcher = CudagraphDispatcher(mode, sizes, max_num_seqs, uniform_decode_query_len)
+        self.dispatcher = CUDAGraphDispatcher(mode, sizes, max_num_seqs, uniform_decode_query_len)
         # Longer than the largest size by one: a replay's views are then never their whole buffer,
         # which would get a Dynamo trace of its own.
         assert buffers.input_ids.shape[0] > max(sizes) and buffers.seq_lens.shape[0] > max_num_seqs
         self.input_ids, self.positions, self.slot_mapping = buffers.input_ids, buffers.positions, buffers.slot_mapping
         self.seq_lens, self.query_start_loc = buffers.seq_lens, buffers.query_start_loc
         self.block_tables = buffers.block_tables
-        self.full = CUDAGraphWrapper(self._forward_full, CUDAGraphMode.FULL, graph_cls)
+        self.full = CUDAGraphWrapper(model, CUDAGraphMode.FULL, graph_cls)  # the whole forward, attention inside
         self.piecewise = trace_split(model, graph_cls) if self.dispatcher.keys[CUDAGraphMode.PIECEWISE] else None
         self.full_metadata: dict[BatchDescriptor, PagedAttentionMetadata] = {}
         self._step: tuple[CUDAGraphMode, BatchDescriptor] | None = None
         self.replays = {CUDAGraphMode.FULL: 0, CUDAGraphMode.PIECEWISE: 0}  # steps run from graphs, by mode
-
-    def _forward_full(self, input_ids, positions, metadata):
-        with set_forward_context(self.attn, metadata):
-            return self.model(input_ids, positions)
 
     def _metadata_for(self, desc: BatchDescriptor) -> PagedAttentionMetadata:
         """A FULL graph's metadata: views of the static buffers at its shape. The longest query and
@@ -121,8 +118,8 @@ class CUDAGraphRunner(GraphRunner):
         with capture_session():
             for mode, descs in self.dispatcher.capture_descs():
                 for desc in descs:
-                    for capturing in (False, True):
-                        self._dummy_run(mode, desc, capturing)
+                    self._dummy_run(mode, desc, capture=False)  # warm-up: kernels compiled, the split traced
+                    self._dummy_run(mode, desc, capture=True)
                     count += 1
         memory = "stand-in graphs, on the CPU"
         if on_cuda:
@@ -131,21 +128,24 @@ class CUDAGraphRunner(GraphRunner):
         logger.info("CUDA graphs (%s) captured for %d batch shapes in %.1f s, %s", self.mode.name, count,
                     time.perf_counter() - start, memory)
 
-    def _dummy_run(self, mode: CUDAGraphMode, desc: BatchDescriptor, capturing: bool) -> None:
+    def _dummy_run(self, mode: CUDAGraphMode, desc: BatchDescriptor, capture: bool) -> None:
+        """One step of shape `desc` on dummy inputs: eager, or recording its graphs (`capture`)."""
         n = desc.num_tokens
-        self.input_ids[:n].zero_()
-        self.positions[:n].zero_()
+        ids, pos = self.input_ids[:n], self.positions[:n]
+        ids.zero_()
+        pos.zero_()
         self.slot_mapping[:n].fill_(PAD_SLOT_ID)
-        with cudagraph_runtime(mode if capturing else CUDAGraphMode.NONE, desc, capturing):
-            if mode == CUDAGraphMode.FULL:
-                r, q = desc.num_reqs, n // desc.num_reqs
-                self.seq_lens[:r].fill_(q)  # each dummy sequence attends to its own tokens
-                self.query_start_loc[:r + 1] = torch.arange(r + 1, dtype=torch.int32) * q
-                self.block_tables[:r].zero_()
-                self.full(self.input_ids[:n], self.positions[:n], self._metadata_for(desc))
-            else:
-                with bind_attention(None):  # attention's output is zeros on a dummy step
-                    self.piecewise(self.input_ids[:n], self.positions[:n])
+        if mode == CUDAGraphMode.FULL:
+            r, q = desc.num_reqs, n // desc.num_reqs
+            self.seq_lens[:r].fill_(q)  # each dummy sequence attends to its own tokens
+            self.query_start_loc[:r + 1] = torch.arange(r + 1, dtype=torch.int32) * q
+            self.block_tables[:r].zero_()
+            with set_forward_context(self.attn, self._metadata_for(desc)):
+                self.full.capture(desc, ids, pos) if capture else self.model(ids, pos)
+        else:  # each piece records its graph as the split forward reaches it; attention gives zeros
+            with set_forward_context(self.attn, None, cudagraph_runtime_mode=mode if capture else None,
+                                     batch_descriptor=desc, capturing=capture):
+                self.piecewise(ids, pos)
 
     def padded_size(self, num_tokens: int, metadata) -> int | None:
         mode, desc = self.dispatcher.dispatch(num_tokens, metadata.num_seqs, metadata.max_query_len)
@@ -161,13 +161,14 @@ class CUDAGraphRunner(GraphRunner):
             raise RuntimeError("a replayed step's inputs must be views of the graphs' buffers (InputBatch.to_device)")
         ids, pos = self.input_ids[:size], self.positions[:size]
         self.replays[mode] += 1
-        with cudagraph_runtime(mode, desc):
-            if mode == CUDAGraphMode.FULL:
-                out = self.full(ids, pos, self._metadata_for(desc))
-            else:  # attention runs eagerly between the pieces, on the step's metadata
-                padded = dataclasses.replace(metadata, slot_mapping=self.slot_mapping[:size], _plan=None)
-                with bind_attention(self.attn.bind_step(padded)):
-                    out = self.piecewise(ids, pos)
+        if mode == CUDAGraphMode.FULL:
+            with override_forward_context(cudagraph_runtime_mode=mode, batch_descriptor=desc):
+                out = self.full(ids, pos)
+        else:  # attention runs eagerly between the pieces, on the step's metadata
+            padded = dataclasses.replace(metadata, slot_mapping=self.slot_mapping[:size], _plan=None)
+            with override_forward_context(cudagraph_runtime_mode=mode, batch_descriptor=desc,
+                                          attention=self.attn.bind_step(padded)):
+                out = self.piecewise(ids, pos)
         return out[:n]
 
 
@@ -214,19 +215,16 @@ def graph_mode_for(mode: CUDAGraphMode, attention: AttentionCGSupport, *, piecew
     return names.get((decode, mixed), piece if piece in (decode, mixed) else none), reasons
 
 
-# The CPU's runner, by its qualified name: the stage imports the CPU appendix only on a CPU.
-CPU_GRAPH_RUNNER = "part15_full.cpu.graph_runner.CpuGraphRunner"
-
-
 def make_graph_runner(model: torch.nn.Module, attn: PagedAttention, device: torch.device,
-                      graphs: dict | None = None) -> GraphRunner:
+                      graphs: dict | None = None, platform: Platform | None = None) -> GraphRunner:
     """The runner for this device, captured: CUDA graphs where `graphs` (CUDAGraphRunner's arguments
-    past the model and backend) asks for them, on a CPU the C-kernel one where it applies, else eager."""
+    past the model and backend) asks for them, else the platform's own where it applies (on a CPU the
+    C-kernel one, cpu/graph_runner.py), else eager."""
     runner = None
     if graphs is not None and graphs["mode"] != CUDAGraphMode.NONE:  # on a CPU: the stand-in (envs.py)
-        runner = CUDAGraphRunner(model, attn, **graphs, graph_cls=CudaGraph if device.type == "cuda" else EagerGraph)
-    elif device.type == "cpu":
-        runner = resolve_obj_by_qualname(CPU_GRAPH_RUNNER).build(model, attn)
+        runner = CUDAGraphRunner(model, attn, **graphs, graph_cls=CUDAGraph if device.type == "cuda" else EagerGraph)
+    else:
+        runner = (platform or current_platform(device)).graph_runner(model, attn)
     runner = runner or GraphRunner(model, attn)
     runner.capture()
     return runner

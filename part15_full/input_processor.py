@@ -24,7 +24,7 @@ from shared.config import ModelConfig
 from shared.errors import InvalidRequestError
 from shared.tokenizer import Tokenizer
 
-from .kv_cache_manager import cdiv
+from .block_utils import cdiv
 from .messages import EngineCoreRequest
 from .sampling_params import SamplingParams
 from .structured_output.manager import StructuredOutputManager

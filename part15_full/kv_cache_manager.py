@@ -14,30 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .block_pool import BlockPool, KVCacheBlock
+from .block_utils import cdiv, compute_slot_mapping
 from .kv_cache_utils import BlockHasher, make_none_hash
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def compute_slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """The flat cache slot of each token position in [start, end) of one request:
-    slot = block_ids[pos // block_size] * block_size + pos % block_size.
-    The KV cache viewed as [num_blocks * block_size, ...] is indexed by these slots."""
-    return [block_ids[pos // block_size] * block_size + pos % block_size
-            for pos in range(start, end)]
-
-
-def num_blocks_for_budget(memory_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                          block_size: int, dtype: torch.dtype) -> int:
-    """How many blocks fit in `memory_bytes`. One block holds K and V of `block_size` tokens in
-    every layer. The count includes the reserved null block (BlockPool keeps one back)."""
-    bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-    return memory_bytes // bytes_per_block
 
 
 @dataclass

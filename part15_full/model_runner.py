@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -42,10 +42,10 @@ from .fused_moe import FusedMoE
 from .graph_runner import graph_mode_for, make_graph_runner
 from .input_batch import InputBatch
 from . import prompt_logprobs
-from .prompt_logprobs import PromptLogprobsOutput, PromptLogprobsPlan, PromptLogprobsSpec
+from .prompt_logprobs import PromptLogprobsPlan
 from .sampler import Sampler
 from .sampling_metadata import SamplingMetadata, to_device
-from .kv_cache_manager import cdiv, num_blocks_for_budget
+from .block_utils import cdiv, num_blocks_for_budget
 from .memory_profiling import min_over_ranks, profile_kv_budget
 from .model_loader import get_model
 from .quantization import get_quant_config
@@ -54,40 +54,15 @@ from .moe_config import load_configs
 from .attention_metadata import NULL_BLOCK_ID, PAD_SLOT_ID, PagedAttentionMetadata
 from .paged_attention import TritonAttention, attention_options, get_attention_backend
 from .pipeline import PipelineStage, get_pp_indices
+from .platforms import current_platform
 from .rejection_sampler import RejectionOutput, RejectionSampler, SpecDecodeMetadata
+from .runner_messages import ModelRunnerOutput, SequenceBatchEntry
 from .structured_output.bitmask import unpack_bitmask
 from .structured_output.manager import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
-
-
-@dataclass
-class SequenceBatchEntry:
-    """One sequence's share of a step: its new tokens, how many tokens it already has in the
-    cache, its block table and how it samples (None: a prefill chunk that stops short of the
-    prompt's end samples nothing). When its last new token is the one the previous step sampled
-    for it (not yet on the host), `token_ids` lacks it and `prev_row` names the previous step's
-    row that holds it."""
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: list[int]
-    sampling: SamplingRow | None
-    prev_row: int | None = None
-    seq_id: str = ""  # a worker process keeps per-sequence state (its seeded generator) under it
-    # Drafts to verify after token_ids (the draft model's are 0s, sampled on the device), and how
-    # many positions from the first sampled one still ban EOS and stop ids (min_tokens).
-    draft_token_ids: list[int] = field(default_factory=list)
-    min_tokens_left: int = 0
-    # Draft model only: the known tokens its KV cache lacks, ending with this step's last known one.
-    draft_input_ids: list[int] | None = None
-    # Part 15: a prefill chunk whose request asks for prompt logprobs (prompt_logprobs.py).
-    prompt_logprobs: PromptLogprobsSpec | None = None
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids) + (self.prev_row is not None) + len(self.draft_token_ids)
 
 
 def position_row(row: SamplingRow, drafts: list[int], j: int, min_tokens_left: int) -> SamplingRow:
@@ -141,15 +116,6 @@ class ModelInput:
     prompt_logprobs: PromptLogprobsPlan | None = None  # rows that score prompt tokens (part 15)
 
 
-@dataclass
-class ModelRunnerOutput:
-    """A step's results: the sampled tokens, and what a KV connector reports (the requests whose
-    KV finished sending or arriving; parts 12-13), which the engine hands to its scheduler."""
-    sampled: SampledBatch | RejectionOutput
-    kv_connector_output: Any = None
-    prompt_logprobs: PromptLogprobsOutput | None = None  # part 15 (prompt_logprobs.py)
-
-
 def set_random_seed(seed: int) -> None:
     """Python's, numpy's and torch's random state (every device's). In vLLM: vllm/utils (set_random_seed)."""
     import random
@@ -183,12 +149,10 @@ class ModelRunner:
         layers.quant_config = quant
         if pipeline is not None:  # a stage builds, loads and caches its own layers only
             layers.layer_range = get_pp_indices(cfg.num_hidden_layers, pipeline.pp_rank, pipeline.pp_size)
-        if self.device.type == "cpu":  # the CPU appendix (cpu/README.md): its layers and kernels, chosen once
-            from .cpu.layers import CpuLayers, load_ops
-            from .cpu.malloc import tune_malloc
-
-            tune_malloc()  # freed activations stay in the heap
-            layers = CpuLayers(layers, load_ops())  # fused elementwise kernels; each linear layer's GEMM
+        # Part 15: the device's own pieces, chosen once (platforms.py; on a CPU the appendix, cpu/README.md):
+        # its layers here, its attention backend and graph runner below.
+        self.platform = current_platform(self.device)
+        layers = self.platform.layers(layers)
         self.model = get_model(self.model_path, self.device, self.dtype, self.max_model_len, config.load_format,
                                layers, config.enable_expert_parallel, use_triton)
         self.model_config = c = self.model.config
@@ -227,7 +191,8 @@ class ModelRunner:
         # Part 15: the attention backend for this device and model, chosen once (paged_attention.py).
         self.attn = get_attention_backend(stage_layers, self.num_blocks, self.block_size, attn.num_heads,
                                           attn.num_kv_heads, c.head_dim, self.dtype, self.device, config.use_triton,
-                                          **attention_options(c, (self.model.start_layer, self.model.end_layer)))
+                                          **attention_options(c, (self.model.start_layer, self.model.end_layer)),
+                                          platform=self.platform)
         # Part 15: torch.compile of the model, attention one opaque op in its graph (compilation.py).
         compile_model(self.model, self.attn, self.compilation_mode)
         self.kv_transfer_config = resolve_kv_transfer_config(config)
@@ -268,7 +233,8 @@ class ModelRunner:
         for reason in reasons:
             logger.info("CUDA graphs: %s, so %s", reason, self.cudagraph_mode.name)
         # A pipeline stage runs its layers through _stage_forward, not a graph runner.
-        self.graph_runner = make_graph_runner(self.model, self.attn, self.device, graphs) if pipeline is None else None
+        self.graph_runner = (make_graph_runner(self.model, self.attn, self.device, graphs, self.platform)
+                             if pipeline is None else None)
         if config.seed is not None and (layers is None or layers.tp_size == 1):
             # --seed: unseeded rows sample from this state; seeded after start-up's passes, so the same
             # requests give the same tokens on every start (worker.py seeds tensor-parallel ranks).

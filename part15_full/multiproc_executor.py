@@ -16,7 +16,7 @@ its requests with that error instead of hanging. `shutdown()` ends every worker;
 on their own when the driver dies (their parent, or for another node the driver's socket).
 
 Several nodes: node 0 runs the engine and its share of the ranks; every other node runs
-`run_headless` (the server's `--headless`), which starts that node's ranks and waits for them. The
+headless.py's `run_headless` (the server's `--headless`), which starts that node's ranks and waits for them. The
 ranks meet at the rendezvous address and subscribe to the driver's steps there.
 
 In vLLM: vllm/v1/executor/multiproc_executor.py (MultiprocExecutor) and
@@ -35,19 +35,10 @@ import torch
 import zmq
 
 from .config import EngineConfig
-from .model_runner import SequenceBatchEntry
 from .parallel_state import ParallelConfig
-from .worker import StepMessage, join_all, worker_main
-
-
-class WorkerDied(RuntimeError):
-    pass
-
-
-def threads_per_process(num_threads: int | None, cores: int, num_processes: int) -> int:
-    """CPU threads for each of `num_processes` compute processes sharing `cores`: given, or an even
-    share (DP engines times TP ranks on one node must not each take every core)."""
-    return num_threads or max(1, cores // max(1, num_processes))
+from .process_utils import WorkerDied, threads_per_process
+from .runner_messages import SequenceBatchEntry, StepMessage
+from .worker import worker_main
 
 
 def start_workers(config: EngineConfig, parallel: ParallelConfig) -> dict[int, mp.Process]:
@@ -216,8 +207,3 @@ class MultiprocExecutor:
         if not self.ctx.closed:
             self.ctx.destroy(linger=0)
 
-
-def run_headless(config: EngineConfig, parallel: ParallelConfig) -> int:
-    """A node other than 0: run this node's ranks until they end (the engine's node stops them, or
-    they notice it is gone)."""
-    return join_all(start_workers(config, parallel))

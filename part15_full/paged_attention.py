@@ -25,7 +25,6 @@ runner calls that, and `forward` (the modules' call) goes through it too."""
 from __future__ import annotations
 
 import enum
-import importlib
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,8 @@ from shared.device import kv_cache_zeros
 from shared.forward_context import AttentionBackend
 
 from .attention_metadata import PagedAttentionMetadata
-from .kv_cache_manager import cdiv
+from .block_utils import cdiv
+from .platforms import Platform, current_platform
 
 
 def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -223,31 +223,18 @@ def attention_options(cfg: ModelConfig, layer_range: tuple[int, int] | None = No
     return dict(scale=cfg.attention_scale, sliding_windows=windows, logit_softcap=cfg.attn_logit_softcap)
 
 
-# The CPU's backend, by its qualified name: the stage imports the CPU appendix only on a CPU, and only
-# when it picks a backend (vLLM names its backends the same way: vllm/v1/attention/backends/registry.py).
-CPU_ATTENTION_BACKEND = "part15_full.cpu.attention.CpuAttention"
-
-
-def resolve_obj_by_qualname(qualname: str):
-    """'package.module.Name' -> the object, importing the module (vLLM: vllm/utils/import_utils.py)."""
-    module, _, name = qualname.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
 def get_attention_backend(num_layers: int, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
                           head_dim: int, dtype: torch.dtype, device: torch.device | str,
                           use_triton: bool | None = None, scale: float | None = None,
                           sliding_windows: tuple[int | None, ...] | None = None,
-                          logit_softcap: float | None = None) -> PagedAttention:
-    """The backend for this device and model, chosen once: Triton on a GPU (or when asked), on a CPU the
-    C kernel where it is built and the shapes fit it (cpu/README.md), else the torch reference."""
+                          logit_softcap: float | None = None, platform: Platform | None = None) -> PagedAttention:
+    """The backend for this device and model, chosen once: Triton on a GPU (or when asked), else the
+    platform's own (on a CPU the C kernel where it is built and the shapes fit it, cpu/README.md), else
+    the torch reference."""
     device = torch.device(device)
     args = (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     kwargs = dict(scale=scale, sliding_windows=sliding_windows, logit_softcap=logit_softcap)
     if use_triton if use_triton is not None else device.type == "cuda":
         return TritonAttention(*args, **kwargs)
-    if device.type == "cpu":
-        backend = resolve_obj_by_qualname(CPU_ATTENTION_BACKEND).create(*args, num_heads=num_heads, **kwargs)
-        if backend is not None:
-            return backend
-    return TorchAttention(*args, **kwargs)
+    platform = platform or current_platform(device)
+    return platform.attention_backend(*args, num_heads=num_heads, **kwargs) or TorchAttention(*args, **kwargs)

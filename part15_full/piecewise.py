@@ -14,8 +14,8 @@ tensor would leave the next piece reading a stale one). TorchDynamo traces the m
 once, with symbolic token counts, into an FX graph in which each attention call is one node of that
 op; `split_at_attention` cuts the graph before and after every such node
 (torch.fx's split_module) and wraps each other piece in a CUDAGraphWrapper (cuda_graph.py). The
-step's attention reaches the op through `bind_attention`, as the model's layers reach the backend
-through the forward context. The pieces run as traced, not compiled by Inductor: fusing them is what
+step's attention reaches the op through the forward context (its `attention`: the backend bound to
+the step's metadata), as the model's layers reach the backend. The pieces run as traced, not compiled by Inductor: fusing them is what
 vLLM's compilation passes add on top.
 
 In vLLM v0.33.0: vllm/compilation/backends.py (split_graph, VllmBackend),
@@ -23,42 +23,29 @@ vllm/compilation/piecewise_backend.py and vllm/model_executor/layers/attention/a
 Attention layer, whose unified_attention_with_output op the graph is split at)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.fx
 
-from shared.forward_context import AttentionBackend, set_forward_context
+from shared.forward_context import AttentionBackend, get_forward_context, override_forward_context
 
 from .config import CUDAGraphMode
 from .cuda_graph import CUDAGraphWrapper
 
-_step_attention: Callable | None = None  # the step's (layer_idx, q, k, v, out), from the backend's bind_step
-
-
 @torch.library.custom_op("vllm_course::unified_attention_with_output", mutates_args=("output",))
 def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
                                   layer_idx: int) -> None:
-    if _step_attention is None:  # a capture's dummy step: attention's result does not matter there
+    attention = get_forward_context().attention  # the step's (layer_idx, q, k, v, out), from the backend's bind_step
+    if attention is None:  # a capture's dummy step: attention's result does not matter there
         output.zero_()
         return
-    _step_attention(layer_idx, q, k, v, out=output)  # written in place: no copy
+    attention(layer_idx, q, k, v, out=output)  # written in place: no copy
 
 
 @unified_attention_with_output.register_fake
 def _(q, k, v, output, layer_idx) -> None:
     return None
-
-
-@contextmanager
-def bind_attention(step: Callable | None) -> Iterator[None]:
-    global _step_attention
-    previous, _step_attention = _step_attention, step
-    try:
-        yield
-    finally:
-        _step_attention = previous
 
 
 class _SplitPoint(AttentionBackend):
@@ -113,7 +100,7 @@ class _Piece(torch.nn.Module):
 
 def trace_split(model: torch.nn.Module, graph_cls: type) -> Callable:
     """model.forward traced once by Dynamo (token counts symbolic) and split at attention. Call the
-    result inside `bind_attention(...)`."""
+    result inside a forward context whose `attention` is the step's (None: zeros, on dummy steps)."""
     import torch._dynamo
 
     state = {}
@@ -126,7 +113,7 @@ def trace_split(model: torch.nn.Module, graph_cls: type) -> Callable:
     compiled = torch.compile(model.forward, backend=backend, dynamic=True, fullgraph=True)
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with set_forward_context(SPLIT_POINT, None):
+        with override_forward_context(backend=SPLIT_POINT, metadata=None):  # the step's mode and attention kept
             return compiled(input_ids, positions)
     forward.state = state
     return forward

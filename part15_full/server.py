@@ -63,7 +63,7 @@ from .chat_template import load_chat_template
 from .cli_args import FrontendArgs
 from .async_llm import AsyncLLM
 from .config import EngineConfig
-from .core_client import AsyncMPClient, DPAsyncMPClient, run_headless_engines
+from .core_client import AsyncMPClient, DPAsyncMPClient
 from .engine import LLMEngine
 from .engine_client import EngineClient, EngineDeadError
 from .generation_config import default_sampling_params
@@ -71,8 +71,8 @@ from .graceful_shutdown import AbortableClient, GracefulShutdown
 from .kv_connector import KVLoadFailed
 from .metrics import attach_stat_logger, mount_metrics
 from .middleware import base_request_id, engine_request_id, install_middleware
-from .multiproc_executor import WorkerDied, run_headless
-from .parallel_state import ParallelConfig
+from .headless import run_headless
+from .process_utils import WorkerDied
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving_chat import OpenAIServingChat
 from .serving_completion import CompletionStream, clamp, completion_response
@@ -257,12 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         config.validate(headless=args.headless)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if args.headless and config.data_parallel_size > 1:
-        raise SystemExit(run_headless_engines(config))
-    if args.headless:
-        raise SystemExit(run_headless(config, ParallelConfig.resolve(
-            config.tensor_parallel_size, config.nnodes, config.node_rank, config.master_addr, config.master_port,
-            config.pipeline_parallel_size)))
+    if args.headless:  # another node's engines (data parallelism) or ranks (tensor/pipeline parallelism)
+        raise SystemExit(run_headless(config))
     client = make_engine_client(config)
     print(config.summary(client.max_model_len, client.processor.num_blocks), flush=True)
     print(envs.summary(), flush=True)  # every VLLM_COURSE_* switch in effect (envs.py)

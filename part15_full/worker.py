@@ -28,13 +28,9 @@ import json
 import os
 import pickle
 import queue
-import signal
 import threading
-import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,25 +42,15 @@ from shared.sampler import SampledBatch, make_generator
 from . import envs
 from .config import EngineConfig
 from . import prompt_logprobs
-from .model_runner import ModelRunner, ModelRunnerOutput, SequenceBatchEntry
+from .model_runner import ModelRunner
 from .parallel_layers import TensorParallelLayers
 from .parallel_state import ParallelConfig, init_distributed, rank_device
 from .pipeline import PipelineStage
+from .process_utils import follow_parent
+from .runner_messages import ModelRunnerOutput, SequenceBatchEntry, StepMessage
 
 
 DRIVER_SILENCE_MS = 10_000
-
-
-@dataclass
-class StepMessage:
-    """One step, as the engine publishes it to every rank."""
-    batch: list[SequenceBatchEntry]  # sampling rows without their generators
-    seeds: dict[str, int]  # seq_id -> seed, for the sequences with a seeded generator
-    finished_seq_ids: list[str]
-    # Whatever a KV connector's scheduler side sends its worker side with this step (parts 12-13).
-    kv_connector_metadata: Any = None
-    grammar_output: Any = None  # structured outputs' bitmask, filled (part 15)
-    preempted_seq_ids: list[str] = field(default_factory=list)  # their blocks went back to the pool (part 15)
 
 
 def worker_main(config: EngineConfig, parallel: ParallelConfig, rank: int, num_threads: int) -> None:
@@ -201,32 +187,3 @@ def _to_host(out: ModelRunnerOutput) -> ModelRunnerOutput:
                                   for f in dataclasses.fields(sampled) for v in [getattr(sampled, f.name)]})
     # a RejectionOutput is host data already
     return ModelRunnerOutput(sampled, out.kv_connector_output, prompt_logprobs.to_host(out.prompt_logprobs))
-
-
-def follow_parent() -> None:
-    """A child process lives and ends with its parent: Ctrl-C in a terminal reaches the whole process
-    group, but only the parent decides when to stop its children (it tells them); and a child whose
-    parent died (even by SIGKILL) must not linger, so a thread watches the parent."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def join_all(procs: dict) -> int:
-    """Wait for a headless node's processes (workers, or part 10's engines) to end; kill what is
-    left if this process is interrupted. Returns the worst exit code."""
-    try:
-        for p in procs.values():
-            p.join()
-    finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return max((abs(p.exitcode or 0) for p in procs.values()), default=0)

@@ -139,6 +139,66 @@ def test_no_import_cycles_among_a_parts_modules(stage):
 @pytest.mark.parametrize("stage", STAGES, ids=[s.name for s in STAGES])
 def test_the_configuration_imports_nothing_of_the_engine(stage):
     """config.py is read to parse and check a command line; the engine's modules import their
-    choices from it, never the other way round."""
+    choices from it, never the other way round. It may read the registry of switches (envs.py),
+    which holds no engine code."""
     graph = import_graph(stage.path)
-    assert graph.get("config", set()) == set(), f"{stage.name}/config.py imports {sorted(graph['config'])}"
+    assert graph.get("config", set()) <= {"envs"}, f"{stage.name}/config.py imports {sorted(graph['config'])}"
+    assert graph.get("envs", set()) <= {"cpu.envs"}, f"{stage.name}/envs.py imports {sorted(graph['envs'])}"
+
+
+LAST = next(s for s in STAGES if s.name == "part15_full")
+# The modules of part 15 that run in the API server's process: the HTTP app, the engine clients,
+# the router and the proxy. They start and watch processes through process_utils.py.
+FRONT_END = {"server", "async_llm", "core_client", "engine_client", "serving_chat", "serving_completion",
+             "serving_tokenization", "streaming", "router", "proxy", "disagg_serve", "middleware", "metrics"}
+RUNNER_SIDE = {"model_runner", "worker", "executor", "multiproc_executor"}
+
+
+def test_the_engine_knows_the_runner_only_through_its_messages():
+    """The engine builds SequenceBatchEntry and reads ModelRunnerOutput (runner_messages.py), and
+    talks to an executor; it imports neither the runner nor the worker."""
+    graph = import_graph(LAST.path)
+    assert "runner_messages" in graph["engine"]
+    assert graph["engine"] & RUNNER_SIDE <= {"executor"}, sorted(graph["engine"])
+
+
+def test_the_front_end_imports_neither_the_executor_nor_the_worker():
+    graph = import_graph(LAST.path)
+    assert FRONT_END <= set(graph), sorted(FRONT_END - set(graph))
+    found = {m: sorted(graph[m] & RUNNER_SIDE) for m in FRONT_END if graph[m] & RUNNER_SIDE}
+    assert found == {}, found
+
+
+def test_the_runner_side_imports_nothing_of_the_scheduler_side():
+    """Block arithmetic both sides need is in block_utils.py; the runner and the attention backends
+    never import the KV cache manager, the block pool or the scheduler."""
+    graph = import_graph(LAST.path)
+    runner = {"model_runner", "paged_attention", "attention_metadata", "graph_runner", "input_batch", "worker"}
+    scheduler_side = {"kv_cache_manager", "block_pool", "scheduler", "engine"}
+    found = {m: sorted(graph[m] & scheduler_side) for m in runner if graph[m] & scheduler_side}
+    assert found == {}, found
+
+
+def test_the_cpu_appendix_plugs_in_at_one_point():
+    """Only platforms.py names the appendix (its CpuPlatform, by qualified name); the registry of
+    switches lists the appendix's (cpu/envs.py); no other module of the stage imports cpu/."""
+    graph = import_graph(LAST.path)
+    importers = {m for m, deps in graph.items() if not m.startswith("cpu") and any(d.startswith("cpu") for d in deps)}
+    assert importers == {"envs"} and graph["envs"] == {"cpu.envs"}, (importers, graph["envs"])
+    naming = sorted(f.name for f in LAST.path.glob("*.py") if "part15_full.cpu" in f.read_text())
+    assert naming == ["platforms.py"], naming
+
+
+def test_the_checks_see_an_import_of_the_runner(tmp_path):
+    """The checks above can fail: an engine that imports the runner, and a second point into cpu/."""
+    part = tmp_path / "part15_full"
+    (part / "cpu").mkdir(parents=True)
+    for name in ("__init__", "model_runner", "runner_messages", "executor"):
+        (part / f"{name}.py").write_text("")
+    (part / "cpu" / "__init__.py").write_text("")
+    (part / "cpu" / "layers.py").write_text("")
+    (part / "engine.py").write_text("from .runner_messages import X\nfrom .model_runner import SequenceBatchEntry\n")
+    (part / "paged_attention.py").write_text("def f():\n    from .cpu.layers import L\n")
+    graph = import_graph(part)
+    assert graph["engine"] & RUNNER_SIDE == {"model_runner"}
+    assert graph["paged_attention"] == {"cpu.layers"}

@@ -1,4 +1,4 @@
-"""Part 15's torch.compile of the model (compilation.py), on a tiny random Llama: piecewise
+"""Part 15's torch.compile of the model (compilation.py), on a tiny random Llama: attention_op
 compilation (attention left out of the graph) keeps HF's greedy tokens across prefill, chunked
 prefill and batched decode (token counts that vary every step: one dynamic graph); the modes
 resolve as documented; the compile time is recorded."""
@@ -31,7 +31,7 @@ def hf_greedy(path, prompts, n):
                 for p in prompts]
 
 
-def test_piecewise_compiled_model_keeps_hf_greedy_tokens(tiny):
+def test_the_model_compiled_with_attention_as_an_op_keeps_hf_greedy_tokens(tiny):
     from torch._dynamo.utils import counters
 
     from part15_full import LLM, SamplingParams
@@ -41,11 +41,11 @@ def test_piecewise_compiled_model_keeps_hf_greedy_tokens(tiny):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 40, 17, 90)]
     want = hf_greedy(tiny, prompts, 12)
     # A small token budget chunks the longer prompts, so steps mix prefill chunks and decodes.
-    llm = LLM(model=str(tiny), device="cpu", dtype="float32", kv_cache_memory_mb=8, compilation_mode="piecewise",
+    llm = LLM(model=str(tiny), device="cpu", dtype="float32", kv_cache_memory_mb=8, compilation_mode="attention_op",
               max_num_batched_tokens=32, max_num_seqs=4)
     try:
         runner = llm.engine.executor.runner
-        assert runner.compilation_mode == "piecewise"
+        assert runner.compilation_mode == "attention_op"
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == want
@@ -63,8 +63,8 @@ def test_modes_resolve_as_documented():
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_compilation_mode(None, False, cpu) == "none"  # measured no faster on CPU (notebook 15)
-    assert resolve_compilation_mode(None, False, cuda) == "piecewise"
+    assert resolve_compilation_mode(None, False, cuda) == "attention_op"
     assert resolve_compilation_mode("full", True, cuda) == "none"  # --enforce-eager wins
-    assert resolve_compilation_mode("piecewise", False, cpu) == "piecewise"
+    assert resolve_compilation_mode("attention_op", False, cpu) == "attention_op"
     with pytest.raises(ValueError, match="compilation_mode"):
         resolve_compilation_mode("max-autotune", False, cpu)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from part15_full.config import CompilationConfig, CUDAGraphMode, EngineConfig, default_capture_sizes
-from part15_full.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
+from part15_full.cudagraph_dispatcher import BatchDescriptor, CUDAGraphDispatcher
 from part15_full.graph_runner import graph_mode_for
 from part15_full.paged_attention import AttentionCGSupport
 
@@ -78,7 +78,7 @@ def test_compilation_config_refuses_bad_input(flag, message):
 
 
 def test_a_bad_compilation_mode_is_refused_before_the_model_loads():
-    with pytest.raises(ValueError, match="--compilation-mode must be one of unset, none, piecewise, full"):
+    with pytest.raises(ValueError, match="--compilation-mode must be one of unset, none, attention_op, full"):
         EngineConfig(compilation_mode="max-autotune", device="cpu").validate()
 
 
@@ -92,29 +92,29 @@ def test_graphs_need_cuda_and_an_unsplit_forward():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             EngineConfig(compilation_config='{"cudagraph_mode": "PIECEWISE"}').validate()
     with pytest.raises(ValueError, match="use FULL_DECODE_ONLY"):
-        EngineConfig(compilation_config='{"cudagraph_mode": "PIECEWISE"}', compilation_mode="piecewise",
+        EngineConfig(compilation_config='{"cudagraph_mode": "PIECEWISE"}', compilation_mode="attention_op",
                      device="cpu", enforce_eager=True).validate()
 
 
 def test_dispatcher_pads_up_and_falls_back_past_the_largest():
-    d = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [1, 2, 4, 8], max_num_seqs=8)
+    d = CUDAGraphDispatcher(M.FULL_AND_PIECEWISE, [1, 2, 4, 8], max_num_seqs=8)
     assert d.dispatch(3, 3, 1) == (M.FULL, BatchDescriptor(4, 4, True))  # 3 decodes: the 4-sequence graph
     assert d.dispatch(8, 8, 1) == (M.FULL, BatchDescriptor(8, 8, True))
     assert d.dispatch(5, 2, 4) == (M.PIECEWISE, BatchDescriptor(8))  # a prefill chunk beside a decode
     assert d.dispatch(1, 1, 1) == (M.FULL, BatchDescriptor(1, 1, True))
     assert d.dispatch(9, 9, 1) == (M.NONE, None)  # past the largest size: eager
     assert d.dispatch(0, 0, 0) == (M.NONE, None)
-    only_decode = CudagraphDispatcher(M.FULL_DECODE_ONLY, [1, 2, 4, 8], max_num_seqs=8)
+    only_decode = CUDAGraphDispatcher(M.FULL_DECODE_ONLY, [1, 2, 4, 8], max_num_seqs=8)
     assert only_decode.dispatch(5, 2, 4) == (M.NONE, None)
     assert only_decode.dispatch(5, 5, 1) == (M.FULL, BatchDescriptor(8, 8, True))
-    piecewise = CudagraphDispatcher(M.PIECEWISE, [1, 2, 4, 8], max_num_seqs=8)
+    piecewise = CUDAGraphDispatcher(M.PIECEWISE, [1, 2, 4, 8], max_num_seqs=8)
     assert piecewise.dispatch(3, 3, 1) == (M.PIECEWISE, BatchDescriptor(4))
     # With 2 drafts each decoding sequence has 3 tokens: 2 sequences fill the 6-token graph.
-    spec = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [3, 6, 9, 12], max_num_seqs=4, uniform_decode_query_len=3)
+    spec = CUDAGraphDispatcher(M.FULL_AND_PIECEWISE, [3, 6, 9, 12], max_num_seqs=4, uniform_decode_query_len=3)
     assert spec.dispatch(6, 2, 3) == (M.FULL, BatchDescriptor(6, 2, True))
     assert spec.dispatch(5, 2, 3) == (M.PIECEWISE, BatchDescriptor(6))  # one sequence has fewer drafts
     with pytest.raises(ValueError, match="mixed batches"):  # lowered before: no backend replays any batch
-        CudagraphDispatcher(M.FULL, [1, 2], max_num_seqs=2)
+        CUDAGraphDispatcher(M.FULL, [1, 2], max_num_seqs=2)
     # Capture order: each mode's largest first.
     assert [(m, [x.num_tokens for x in ds]) for m, ds in d.capture_descs()] == \
         [(M.PIECEWISE, [8, 4, 2, 1]), (M.FULL, [8, 4, 2, 1])]

@@ -141,7 +141,7 @@ def test_a_host_set_is_refilled_only_after_its_copies_are_done(wait):
     on (or at the very end): with the event waited on, every step's device arrays hold that step's
     inputs; without it (`wait=False`), the set reused after NUM_SETS steps is overwritten first."""
     from part15_full.input_batch import NUM_SETS, InputBatch
-    from part15_full.model_runner import SequenceBatchEntry
+    from part15_full.runner_messages import SequenceBatchEntry
 
     pending, copied = [], []
 

@@ -47,9 +47,9 @@ import torch
 
 from shared.attention import sdpa
 
-from .. import envs
+from . import envs
 from ..attention_metadata import PagedAttentionMetadata
-from ..kv_cache_manager import cdiv
+from ..block_utils import cdiv
 from ..paged_attention import PagedAttention, gather_blocks, reshape_and_cache_ref
 from .kernels import load
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shared.gguf_convert import cache_root
 
-from .. import envs
+from . import envs
 
 CSRC = Path(__file__).with_name("csrc")
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from shared.layers import MergedLinear, UnquantizedLinearMethod
 
-from .. import envs
+from . import envs
 from .kernels import load
 
 AMX_TILE = 32  # the AMX kernel's panel width and k-step: N and K must be multiples of it

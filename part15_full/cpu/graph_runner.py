@@ -32,7 +32,7 @@ import torch
 from shared.layers import Linear, VocabEmbedding
 from shared.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
-from .. import envs
+from . import envs
 from ..graph_runner import GraphRunner
 from .attention import CpuAttention
 from .gemm import CpuUnquantizedLinearMethod

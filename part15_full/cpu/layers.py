@@ -35,7 +35,7 @@ from shared.config import ModelConfig
 from shared.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, UnquantizedLinearMethod
 from shared.model import LayerFactory, WrappedLayers
 
-from .. import envs
+from . import envs
 from .gemm import CpuUnquantizedLinearMethod
 from .kernels import load
 

@@ -26,7 +26,7 @@ import ctypes
 import logging
 import platform
 
-from .. import envs
+from . import envs
 
 logger = logging.getLogger(__name__)
 
