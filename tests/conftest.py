@@ -455,8 +455,9 @@ def run_interpreted_script(script: str, tmp, timeout: int = 900, **env) -> dict:
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", **env,
-               PYTHONPATH=os.pathsep.join([str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH", "")]))
+    # The caller's import path first: `shared.course grade` puts the reader's copy of a part there.
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(repo), str(repo / "tests")]
+    env = dict(os.environ, TRITON_INTERPRET="1", **env, PYTHONPATH=os.pathsep.join(path))
     proc = subprocess.run([sys.executable, script, str(tmp)], env=env, cwd=repo, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
