@@ -4,10 +4,11 @@
   VLLM_PP_LAYER_PARTITION; a stage builds, loads and caches its own layers only.
 - The scheduler: with PP stages, up to PP steps in flight, each with sequences the others do not
   hold and at most max_num_seqs / PP of them.
-- The engine: a 5-layer Llama and a 5-layer Qwen2-MoE at PP 2, PP 3 (uneven) and TP 2 x PP 2 give
+- The engine: a 5-layer Llama at PP 2 and TP 2 x PP 2 and a 5-layer Qwen2-MoE at PP 3 (uneven) give
   PP 1's tokens, greedy and seeded, and HF's greedy ones, with chunked prefill, a prefix hit and a
-  preemption; int8 weights and expert parallelism inside a stage give one stage's tokens; steps are in flight together; a killed stage fails the engine with WorkerDied and the
-  server answers 503; a --headless second "node" on loopback holds stage 1."""
+  preemption; PP 2's steps are in flight together; int8 weights and expert parallelism inside a
+  stage give one stage's tokens; a killed stage fails the engine with WorkerDied, ends the other
+  stage, and the server answers 503; a --headless second "node" on loopback holds stage 1."""
 from __future__ import annotations
 
 import os
@@ -147,12 +148,21 @@ def single(models):
     return out
 
 
-@pytest.mark.parametrize("name,pp,tp", [("llama", 2, 1), ("llama", 3, 1), ("llama", 2, 2), ("moe", 3, 1)])
+@pytest.mark.parametrize("name,pp,tp", [("llama", 2, 1), ("llama", 2, 2), ("moe", 3, 1)])
 def test_stages_give_one_stages_tokens(models, single, name, pp, tp):
     with llm(models[name], pipeline_parallel_size=pp, tensor_parallel_size=tp) as m:
         procs = list(m.engine.executor.procs.values())
         assert len(procs) == pp * tp
+        ex, most = m.engine.executor, []  # how many steps are unanswered as each one launches
+        launch = ex.execute_batch
+
+        def counting(*args, **kwargs):
+            future = launch(*args, **kwargs)
+            most.append(sum(not f.done() for f in ex.pending))
+            return future
+        ex.execute_batch = counting
         assert run(m) == single[name]
+        assert m.engine.max_steps_in_flight == pp and max(most) == pp, most  # PP steps overlap
         # A prefix hit: two blocks of the first prompt again.
         stats = m.engine.kv_cache_manager.prefix_cache_stats
         hits = stats.hits
@@ -177,22 +187,6 @@ def test_quantized_weights_and_experts_inside_a_stage(models, setup):
         assert [o.outputs[0].token_ids for o in m.generate(prompts, greedy(6))] == want
 
 
-def test_steps_are_in_flight_together(models, single):
-    """PP 2's steps overlap: the executor holds two unanswered steps at once."""
-    with llm(models["llama"], pipeline_parallel_size=2) as m:
-        ex = m.engine.executor
-        most = []
-        launch = ex.execute_batch
-
-        def counting(*args, **kwargs):
-            future = launch(*args, **kwargs)
-            most.append(sum(not f.done() for f in ex.pending))
-            return future
-        ex.execute_batch = counting
-        assert run(m)[0] == single["llama"][0]
-        assert m.engine.max_steps_in_flight == 2 and max(most) == 2, most
-
-
 def test_a_preemption_recomputes_across_the_stages(models):
     """7 blocks of 16 tokens (the smaller stage's pool) for 4 sequences growing to 54 tokens: some are
     preempted and recomputed, and every one still gets HF's tokens."""
@@ -208,27 +202,11 @@ def test_a_preemption_recomputes_across_the_stages(models):
 
 def test_a_killed_stage_fails_the_engine_and_the_server_answers_503(models):
     from part15_full.async_llm import AsyncLLM
-    from part15_full.multiproc_executor import WorkerDied
+    from part15_full.process_utils import WorkerDied
     from part15_full.server import build_app
 
-    m = llm(models["llama"], pipeline_parallel_size=2)
-    procs = list(m.engine.executor.procs.values())
-    try:
-        m.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(2))
-        os.kill(procs[1].pid, signal.SIGKILL)  # stage 1
-        with pytest.raises(WorkerDied, match=r"worker died during step: .*rank 1 \(exit code -9\)"):
-            m.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(4))
-        deadline = time.monotonic() + 15
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(p.is_alive() for p in procs)  # stage 0 was ended too, not left waiting
-    finally:
-        m.shutdown()
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-
-    # Served: the stage dies under a running server, which then answers 503 and keeps running.
+    # Stage 1 dies under a running server, which then answers 503 and keeps running; the engine has
+    # failed with WorkerDied and ended stage 0 too, not left it waiting.
     m = llm(models["llama"], pipeline_parallel_size=2)
     procs = list(m.engine.executor.procs.values())
     try:
@@ -239,6 +217,13 @@ def test_a_killed_stage_fails_the_engine_and_the_server_answers_503(models):
             with pytest.raises(openai.APIStatusError) as err:
                 client.completions.create(model="tiny", prompt=[5, 9, 11], max_tokens=2)
             assert err.value.status_code == 503 and "rank 1 (exit code -9)" in str(err.value)
+            assert client.models.list().data[0].id == "tiny"  # still serving
+        with pytest.raises(WorkerDied, match=r"worker died during step: .*rank 1 \(exit code -9\)"):
+            m.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(2))
+        deadline = time.monotonic() + 15
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(p.is_alive() for p in procs)
     finally:
         m.shutdown()
         for p in procs:
