@@ -24,6 +24,8 @@ import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from . import envs  # the switch registry (no engine code): the CUDA-graph stand-in for tests
+
 if TYPE_CHECKING:
     import torch
 
@@ -550,8 +552,6 @@ def _problems(c: EngineConfig, headless: bool):
     else:
         wants_graphs = graphs.cudagraph_mode not in (None, "NONE")
         on_cuda = c.device.startswith("cuda") if c.device not in (None, "auto") else torch.cuda.is_available()
-        from . import envs  # the switch registry, no engine code
-
         if wants_graphs and not c.enforce_eager and not on_cuda and not envs.VLLM_COURSE_GRAPH_STAND_IN:
             yield f"--compilation-config: cudagraph_mode {graphs.cudagraph_mode} needs a CUDA device"
         if graphs.splits_forward() and c.compilation_mode in ("attention_op", "full"):

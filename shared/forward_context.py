@@ -14,7 +14,7 @@ In vLLM v0.33.0: vllm/forward_context.py (ForwardContext, set_forward_context)."
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -58,9 +58,13 @@ def set_forward_context(backend: AttentionBackend, metadata: Any = None, **step:
 def override_forward_context(**changes: Any) -> Iterator[None]:
     """The current context with some fields changed, for a part of the forward (a graph replay, a
     traced forward whose attention is an op)."""
-    ctx = get_forward_context()
-    with set_forward_context(**{f.name: getattr(replace(ctx, **changes), f.name) for f in fields(ctx)}):
+    global _context
+    previous = get_forward_context()
+    _context = replace(previous, **changes)
+    try:
         yield
+    finally:
+        _context = previous
 
 
 def get_forward_context() -> ForwardContext:
