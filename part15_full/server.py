@@ -46,7 +46,7 @@ import signal
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import uvicorn
 from fastapi import APIRouter, FastAPI

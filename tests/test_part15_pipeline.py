@@ -20,7 +20,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from conftest import free_port_run, greedy, hf_greedy_tokens, pool_is_full, running_server, save_tiny
 from part15_full.pipeline import get_pp_indices
